@@ -1,0 +1,41 @@
+# hyperfsdp developer targets. Uses the active virtualenv, or creates .venv.
+PYTHON ?= python3
+ifdef VIRTUAL_ENV
+PY := $(VIRTUAL_ENV)/bin/python
+else
+PY := $(CURDIR)/.venv/bin/python
+endif
+TORCH_PIN ?= torch==2.13.0
+PLUGIN_DIRS := $(sort $(dir $(wildcard plugins/*/pyproject.toml)))
+TEST_DIRS := tests $(wildcard plugins/*/tests)
+STAMP := $(dir $(PY)).hyperfsdp-installed
+PYTEST_ARGS ?=
+
+.PHONY: install test demo bench lint clean
+
+$(PY):
+	$(PYTHON) -m venv $(dir $(PY))..
+
+# Installs whatever is missing: torch (pinned CPU build) if absent, the core
+# editable with its test/demo/lint extras, and every plugin under plugins/.
+$(STAMP): $(PY) pyproject.toml $(wildcard plugins/*/pyproject.toml)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install $(TORCH_PIN)
+	$(PY) -m pip install -q -e ".[test,demo,lint]" $(foreach d,$(PLUGIN_DIRS),-e $(d))
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: install
+	$(PY) -m pytest -n auto $(PYTEST_ARGS) $(TEST_DIRS)
+
+demo: install
+	$(PY) -m hyperfsdp_core demo
+
+bench: install
+	$(PY) -m hyperfsdp_core bench
+
+lint: install
+	$(PY) -m ruff check .
+
+clean:
+	rm -rf build *.egg-info hyperfsdp_core/*.egg-info plugins/*/*.egg-info

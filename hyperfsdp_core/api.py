@@ -1,0 +1,404 @@
+"""fully_shard() and the other public entry points."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from .collectives import Comm
+from .group import ParamGroup
+from .module import FSDPModule, fsdp_class
+from .param import HSDPParam
+from .plugins import get_plugin_manager
+from .policies import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from .state import FSDPState
+from .unit import UnitSpec
+
+_DEFAULT_MP = MixedPrecisionPolicy()
+_DEFAULT_OFFLOAD = OffloadPolicy()
+
+
+def fully_shard(
+    module: nn.Module | Sequence[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+    mp_policy: MixedPrecisionPolicy = _DEFAULT_MP,
+    offload_policy: OffloadPolicy = _DEFAULT_OFFLOAD,
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
+    replicate_params: set[nn.Parameter] | None = None,
+):
+    """Shard ``module``'s parameters over ``mesh`` and hook its forward/backward (FSDP2 contract).
+
+    Apply bottom-up: each call forms one communication group of the parameters that
+    no earlier call on a submodule manages. Returns ``module`` (its class unioned with
+    :class:`FSDPModule`), or the list when given a list.
+    """
+    modules = _root_modules(module)
+    mesh_was_default = mesh is None
+    mesh = mesh if mesh is not None else default_mesh()
+    _check_reshard_after_forward(reshard_after_forward)
+    for m in modules:
+        if isinstance(m, FSDPModule):
+            raise ValueError(
+                f"fully_shard was already applied to this {type(m).__name__}; "
+                "call it once per module (apply it bottom-up: submodules first, then the parent)"
+            )
+    ignored = set(ignored_params or ())
+    named, registrations, sub_states = _collect_params(modules, ignored)
+    replicate = frozenset(replicate_params or ())
+    unknown = [p for p in replicate if all(p is not q for _, q in named)]
+    if unknown:
+        raise ValueError(
+            "replicate_params must be parameters that this fully_shard call manages; "
+            f"{len(unknown)} given parameter(s) are not (ignored, managed by a submodule's "
+            "fully_shard, or not in the module)"
+        )
+    unit = UnitSpec(
+        modules=modules,
+        named_params=tuple(named),
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        shard_placement_fn=shard_placement_fn,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        dp_mesh_dims=dp_mesh_dims,
+        replicate_params=replicate,
+        mesh_was_default=mesh_was_default,
+    )
+    pm = get_plugin_manager()
+    pm.hook.hyperfsdp_validate_unit(unit=unit)
+    # Decide everything before touching the module.
+    decisions = []
+    for fqn, param in named:
+        mesh_info = pm.hook.hyperfsdp_select_mesh_info(unit=unit, fqn=fqn, param=param)
+        shard_dim = _shard_dim(unit, fqn, param, mesh_info)
+        dtypes = pm.hook.hyperfsdp_param_dtypes(unit=unit, param=param) or (None, None)
+        decisions.append((fqn, param, mesh_info, shard_dim, dtypes))
+    mixins: list[type] = []
+    for result in pm.hook.hyperfsdp_module_mixins(unit=unit):
+        for mixin in result or ():
+            if mixin not in mixins:
+                mixins.append(mixin)
+
+    device = mesh_device_of(mesh)
+    hsdp_params, locals_by_param = [], {}
+    for fqn, param, mesh_info, shard_dim, (param_dtype, reduce_dtype) in decisions:
+        hp = HSDPParam(fqn, param, registrations[id(param)], mesh_info, shard_dim)
+        hp.param_dtype = param_dtype or param.dtype
+        hp.reduce_dtype = reduce_dtype or hp.param_dtype
+        locals_by_param[id(hp)] = _initial_local(hp, param, device)
+        hsdp_params.append(hp)
+        _RETIRED[param] = fqn
+    _move_managed_buffers(modules, sub_states, device)
+    group = ParamGroup(hsdp_params) if hsdp_params else None
+    if group is not None:
+        group.build_sharded(locals_by_param, _storage_device(locals_by_param.values(), device))
+    state = FSDPState(modules, group, device, reshard_after_forward)
+    state.mp_policy = mp_policy
+    state.offload_policy = offload_policy
+    for m in modules:
+        m.__class__ = fsdp_class(type(m), tuple(mixins))
+        m.register_state_dict_pre_hook(_reshard_before_state_dict)
+        m.register_load_state_dict_post_hook(_reset_after_load)
+    _install_optimizer_check()
+    return module
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def default_mesh() -> DeviceMesh:
+    """A 1-D mesh over the default process group, on the current accelerator or CPU."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "fully_shard needs torch.distributed: call dist.init_process_group() first "
+            "(torchrun sets up the environment), or pass mesh="
+        )
+    device_type = "cpu"
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and accelerator.is_available():
+        current = accelerator.current_accelerator()
+        if current is not None and dist.get_backend() != "gloo":
+            device_type = current.type
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def mesh_device_of(mesh: DeviceMesh) -> torch.device:
+    from .mesh_info import mesh_device
+
+    return mesh_device(mesh)
+
+
+def _root_modules(module: nn.Module | Sequence[nn.Module]) -> tuple[nn.Module, ...]:
+    if isinstance(module, nn.Module):
+        return (module,)
+    modules = list(module)
+    if not modules or not all(isinstance(m, nn.Module) for m in modules):
+        raise ValueError("fully_shard expects an nn.Module or a non-empty list of nn.Modules")
+    roots = []
+    for m in modules:
+        if not any(
+            m is not other and any(m is sub for sub in other.modules()) for other in modules
+        ):
+            roots.append(m)
+    return tuple(roots)
+
+
+def _check_reshard_after_forward(value: Any) -> None:
+    if value is None or isinstance(value, bool):
+        return
+    if isinstance(value, int):
+        return  # validated against the mesh by the core's validation hook
+    raise ValueError(f"reshard_after_forward must be None, a bool or an int, got {value!r}")
+
+
+def _collect_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]):
+    """Parameters this call manages, with every (module, name) registration of each.
+
+    Submodules that are already units are skipped (their parameters are theirs); a
+    parameter registered both in such a unit and in a module this call manages is
+    shared between units, which cannot work: it is reported with both names.
+    """
+    sub_states: list[Any] = []
+    sub_params: dict[int, str] = {}
+    named: list[tuple[str, nn.Parameter]] = []
+    registrations: dict[int, list[tuple[nn.Module, str]]] = {}
+    multi = len(modules) > 1
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        state = getattr(module, "_hyperfsdp_state", None)
+        if state is not None and prefix is not None and module not in modules:
+            if state not in sub_states:
+                sub_states.append(state)
+                for m in state.modules:
+                    for n, p in m.named_parameters(remove_duplicate=False):
+                        sub_params.setdefault(id(p), f"{prefix}{n}")
+            return
+        for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            if param is None or param in ignored:
+                continue
+            fqn = f"{prefix}{name}"
+            if id(param) not in registrations:
+                registrations[id(param)] = []
+                named.append((fqn, param))
+            registrations[id(param)].append((module, name))
+        for child_name, child in module.named_children():
+            visit(child, f"{prefix}{child_name}.")
+
+    for i, m in enumerate(modules):
+        visit(m, f"[{i}]." if multi else "")
+    shared = [(fqn, sub_params[id(p)]) for fqn, p in named if id(p) in sub_params]
+    if shared:
+        pairs = "; ".join(f"{a!r} is also {b!r}" for a, b in shared)
+        raise ValueError(
+            f"fully_shard: parameters shared with a submodule's fully_shard unit ({pairs}). "
+            "A parameter must belong to one unit: put the modules that share it in one "
+            "unit, e.g. fully_shard([embedding, output]), or shard their common parent"
+        )
+    return named, registrations, sub_states
+
+
+def _shard_dim(unit: UnitSpec, fqn: str, param: nn.Parameter, mesh_info) -> int:
+    if param.ndim == 0:
+        raise ValueError(
+            f"fully_shard: parameter {fqn!r} is a scalar (0-d); FSDP shards along a dim. "
+            "Give it shape (1,), or pass it in ignored_params="
+        )
+    placement = unit.shard_placement_fn(param) if unit.shard_placement_fn is not None else None
+    if placement is None:
+        return 0
+    dim = getattr(placement, "dim", None)
+    if dim is None:
+        raise ValueError(
+            f"shard_placement_fn returned {placement!r} for {fqn!r}; expected Shard(dim) or None"
+        )
+    dim = dim + param.ndim if dim < 0 else dim
+    if not 0 <= dim < param.ndim:
+        raise ValueError(
+            f"shard_placement_fn returned Shard({placement.dim}) for {fqn!r} of shape {tuple(param.shape)}"
+        )
+    world = mesh_info.shard_size
+    if dim != 0 and param.shape[dim] % world != 0:
+        raise ValueError(
+            f"fully_shard: parameter {fqn!r} of shape {tuple(param.shape)} cannot be sharded "
+            f"on dim {dim} over {world} ranks: {param.shape[dim]} is not divisible by {world}. "
+            "Only dim 0 may be uneven; shard on dim 0 (return None from shard_placement_fn) "
+            "or pick a dim whose size divides evenly"
+        )
+    return dim
+
+
+def _initial_local(hp: HSDPParam, param: nn.Parameter, device: torch.device) -> torch.Tensor:
+    data = param.detach()
+    if data.device.type == "meta":
+        return torch.empty(hp.layout.actual_shape, dtype=data.dtype, device="meta")
+    local = hp.local_shard_of(data)
+    return local.to(device)
+
+
+def _storage_device(locals_: Iterable[torch.Tensor], device: torch.device) -> torch.device:
+    return torch.device("meta") if any(t.device.type == "meta" for t in locals_) else device
+
+
+def _move_managed_buffers(modules, sub_states, device) -> None:
+    skip = {id(m) for s in sub_states for m in s.modules}
+
+    def visit(module: nn.Module) -> None:
+        for name, buf in list(module._buffers.items()):
+            if buf is not None and buf.device != device and buf.device.type != "meta":
+                module._buffers[name] = buf.to(device)
+        for child in module.children():
+            if id(child) not in skip:
+                visit(child)
+
+    for m in modules:
+        visit(m)
+
+
+def _reshard_before_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    state = module._hyperfsdp_state  # type: ignore[attr-defined]
+    if state.group is not None:
+        state.group.reshard()
+
+
+def _reset_after_load(module: nn.Module, incompatible_keys) -> None:
+    state = module._hyperfsdp_state  # type: ignore[attr-defined]
+    if state.group is not None:
+        reset_sharded_params(state)
+
+
+def reset_sharded_params(state: FSDPState) -> None:
+    """Rebuild a unit's flat sharded storage around its currently registered parameters.
+
+    After ``load_state_dict(assign=True)`` the registered Parameter objects are new;
+    after ``_apply`` (``to``, ``to_empty``, dtype casts) their local tensors are. Either
+    way the actual shards are copied into fresh padded storage (padding zeroed) and the
+    parameters' local tensors become views of it.
+    """
+    group = state.group
+    assert group is not None
+    group.reshard()
+    locals_by_param = {}
+    for p in group.params:
+        registered = p.registered()
+        if not isinstance(registered, DTensor):
+            raise ValueError(
+                f"parameter {p.fqn!r} was replaced by a {type(registered).__name__}; a sharded "
+                "module needs DTensor parameters (load a sharded state dict, e.g. from "
+                "model.state_dict() or torch.distributed.checkpoint)"
+            )
+        if (
+            registered.shape != torch.Size(p.global_shape)
+            or tuple(registered.placements) != p.placements
+        ):
+            raise ValueError(
+                f"parameter {p.fqn!r}: expected a DTensor of global shape {p.global_shape} with "
+                f"placements {p.placements}, got {tuple(registered.shape)} with {tuple(registered.placements)}"
+            )
+        local = registered.to_local()
+        if tuple(local.shape) != p.layout.actual_shape:
+            raise ValueError(
+                f"parameter {p.fqn!r}: local shard has shape {tuple(local.shape)}, expected "
+                f"{p.layout.actual_shape} on this rank"
+            )
+        if registered is not p.sharded_param:
+            p.sharded_param = registered
+        if local.dtype != p.orig_dtype:
+            same = p.param_dtype == p.orig_dtype
+            p.orig_dtype = local.dtype
+            if same:
+                p.param_dtype = p.reduce_dtype = local.dtype
+        locals_by_param[id(p)] = local.detach()
+    device = _storage_device(locals_by_param.values(), next(iter(locals_by_param.values())).device)
+    divide = [b.divide_factor for b in group.buckets]
+    group.__init__(group.params)  # re-bucket: dtypes may have changed
+    if len(divide) == len(group.buckets):
+        for b, f in zip(group.buckets, divide):
+            b.divide_factor = f
+    group.build_sharded(locals_by_param, device)
+    if state.ctx is not None:
+        group.init_unsharded()
+        state.prepare_buckets()
+    hook = get_plugin_manager().hook.hyperfsdp_param_reset
+    for p in group.params:
+        hook(param=p)
+
+
+# -- optimizer built before fully_shard ------------------------------------------------------------
+
+_RETIRED: weakref.WeakKeyDictionary[nn.Parameter, str] = weakref.WeakKeyDictionary()
+_optimizer_hook_installed = False
+
+
+def _install_optimizer_check() -> None:
+    """Fail an optimizer step that would update parameters fully_shard replaced."""
+    global _optimizer_hook_installed
+    if _optimizer_hook_installed:
+        return
+    _optimizer_hook_installed = True
+
+    def check(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        if not _RETIRED:
+            return
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                fqn = _RETIRED.get(p)
+                if fqn is not None:
+                    raise RuntimeError(
+                        f"{type(optimizer).__name__} holds parameter {fqn!r} as it was before "
+                        "fully_shard replaced it with a sharded DTensor, so its step would not "
+                        "train the model. Build the optimizer after fully_shard, from "
+                        "model.parameters()"
+                    )
+
+    register_optimizer_step_pre_hook(check)
+
+
+# -- other public functions --------------------------------------------------------------------
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run the unit's forward hooks around ``module.<method_name>`` too (no-op if not sharded)."""
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module).__name__} has no method {method_name!r}")
+    orig = getattr(module, method_name)
+    state = module._fsdp_state()
+
+    def wrapped(*args, **kwargs):
+        args, kwargs = state.pre_forward(module, args, kwargs)
+        out = orig(*args, **kwargs)
+        return state.post_forward(module, args, out)
+
+    wrapped.__wrapped__ = orig  # type: ignore[attr-defined]
+    setattr(module, method_name, wrapped)
+
+
+def share_comm_ctx(modules: Sequence[FSDPModule]) -> None:
+    """Let several roots (e.g. pipeline stages) share one communication context."""
+    modules = list(modules)
+    if not modules:
+        return
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"share_comm_ctx expects FSDPModules, got {type(m).__name__}")
+    states = [m._fsdp_state() for m in modules]
+    comm = states[0].comm or Comm(states[0].device)
+    for state in states:
+        state.comm = comm
+        if state.ctx is not None:
+            state.ctx.comm = comm
+            for s in state.ctx.states:
+                s.comm = comm

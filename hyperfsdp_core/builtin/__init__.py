@@ -1,0 +1,1 @@
+"""Plugins that ship with the core and are always registered."""

@@ -1,0 +1,56 @@
+"""The ``hyperfsdp`` command (also ``python -m hyperfsdp_core``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from collections.abc import Sequence
+
+
+def _cmd_plugins(args: argparse.Namespace) -> int:
+    from .plugins import get_plugin_manager
+
+    pm = get_plugin_manager()
+    infos = pm.plugin_infos()
+    width = max(len(i.name) for i in infos)
+    dwidth = max(len(i.distribution) for i in infos)
+    print("installed plugins:")
+    for info in infos:
+        print(f"  {info.name.ljust(width)}  {info.distribution.ljust(dwidth)}  {info.version}")
+    print("finalization order (run by the root after every backward):")
+    owners = {}
+    for impl in pm.hook.hyperfsdp_finalize_phases.get_hookimpls():
+        for phase in impl.function() or ():
+            owners[phase.name] = impl.plugin_name
+    for i, phase in enumerate(pm.finalization_phases(), 1):
+        print(f"  {i}. {phase.name}  ({owners.get(phase.name, '?')})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hyperfsdp",
+        description="hyperfsdp: fully sharded data parallelism for PyTorch.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p = sub.add_parser("plugins", help="list installed plugins and the finalization order")
+    p.set_defaults(func=_cmd_plugins)
+    from . import demo
+
+    demo.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

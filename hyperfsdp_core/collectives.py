@@ -1,0 +1,163 @@
+"""Collectives on CPU (async work handles) and accelerators (side streams + events).
+
+The rest of the core calls :class:`Comm`: it issues one collective and returns a
+:class:`Handle` whose ``wait()`` makes the result usable by the caller's compute.
+On CPU the gloo worker threads communicate while the training thread computes;
+on accelerators collectives run on dedicated streams ordered by events (no
+``record_stream``: buffers stay referenced by their handle until waited).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import attrs
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_reduce = dist.all_reduce
+
+
+@attrs.define
+class CommStats:
+    """Counts of collectives issued through one :class:`Comm` (for tests and benchmarks)."""
+
+    all_gathers: int = 0
+    reduce_scatters: int = 0
+    all_reduces: int = 0
+    all_gather_bytes: int = 0
+    reduce_scatter_bytes: int = 0
+    all_reduce_bytes: int = 0
+
+    def reset(self) -> None:
+        for field in attrs.fields(CommStats):
+            setattr(self, field.name, 0)
+
+    def snapshot(self) -> dict[str, int]:
+        return attrs.asdict(self)
+
+
+class Handle:
+    """A pending collective. ``wait()`` is idempotent."""
+
+    __slots__ = ("_done", "_event", "_work", "keepalive")
+
+    def __init__(self, work=None, event=None, keepalive=None) -> None:
+        self._work = work
+        self._event = event
+        self._done = work is None and event is None
+        self.keepalive = keepalive
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        if self._work is not None:
+            self._work.wait()
+        if self._event is not None:
+            torch.get_device_module(self._event.device.type).current_stream().wait_event(
+                self._event
+            )
+        self._done = True
+        self._work = self._event = None
+        self.keepalive = None
+
+    def abandon(self) -> None:
+        """Wait, ignoring errors (used when recovering from a failed iteration)."""
+        try:
+            self.wait()
+        except Exception:
+            self._done = True
+            self._work = self._event = self.keepalive = None
+
+
+DONE = Handle()
+
+
+class BufferPool:
+    """Reuses communication buffers by (numel, dtype) instead of reallocating each step.
+
+    Only used on CPU, where large allocations go back to the OS and page-fault in
+    again every step; accelerators' caching allocators already reuse memory.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+
+    def get(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        free = self._free.get((numel, dtype))
+        if free:
+            return free.pop()
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def put(self, tensor: torch.Tensor) -> None:
+        self._free[(tensor.numel(), tensor.dtype)].append(tensor)
+
+    def clear(self) -> None:
+        self._free.clear()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for ts in self._free.values() for t in ts)
+
+
+class Comm:
+    """Issues collectives for one root (or several roots sharing it via ``share_comm_ctx``)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stats = CommStats()
+        self.is_cpu = device.type == "cpu"
+        self.pool = BufferPool(device) if self.is_cpu else None
+        if not self.is_cpu:
+            self._module = torch.get_device_module(device.type)
+            self.all_gather_stream = self._module.Stream(device=device)
+            self.reduce_stream = self._module.Stream(device=device)
+
+    # -- buffers -------------------------------------------------------------------------
+    def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if self.pool is not None:
+            return self.pool.get(numel, dtype)
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def recycle(self, tensor: torch.Tensor | None) -> None:
+        if self.pool is not None and tensor is not None:
+            self.pool.put(tensor)
+
+    # -- collectives ---------------------------------------------------------------------
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group) -> Handle:
+        self.stats.all_gathers += 1
+        self.stats.all_gather_bytes += out.numel() * out.element_size()
+        if self.is_cpu:
+            return Handle(_all_gather(out, inp, group=group, async_op=True))
+        return self._on_stream(
+            self.all_gather_stream, _all_gather, (out, inp), {"group": group}, (out, inp)
+        )
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group, op) -> Handle:
+        self.stats.reduce_scatters += 1
+        self.stats.reduce_scatter_bytes += inp.numel() * inp.element_size()
+        if self.is_cpu:
+            return Handle(_reduce_scatter(out, inp, op=op, group=group, async_op=True))
+        return self._on_stream(
+            self.reduce_stream, _reduce_scatter, (out, inp), {"op": op, "group": group}, (out, inp)
+        )
+
+    def all_reduce(self, tensor: torch.Tensor, group, op) -> Handle:
+        self.stats.all_reduces += 1
+        self.stats.all_reduce_bytes += tensor.numel() * tensor.element_size()
+        if self.is_cpu:
+            return Handle(_all_reduce(tensor, op=op, group=group, async_op=True))
+        return self._on_stream(
+            self.reduce_stream, _all_reduce, (tensor,), {"op": op, "group": group}, (tensor,)
+        )
+
+    def _on_stream(self, stream, fn, args, kwargs, keepalive) -> Handle:
+        stream.wait_stream(self._module.current_stream())
+        with self._module.stream(stream):
+            fn(*args, **kwargs)
+            event = stream.record_event()
+        return Handle(event=event, keepalive=keepalive)

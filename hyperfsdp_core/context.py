@@ -1,0 +1,117 @@
+"""RootContext: everything per-iteration that one root and its units share.
+
+There is no class-level or module-global per-iteration state: two models in one
+process have two contexts and never see each other's queues.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+from ._torch_private import queue_end_of_backward_callback
+from .collectives import Comm
+
+if TYPE_CHECKING:
+    from .group import Reduction
+    from .state import FSDPState
+
+#: Set to a non-empty value to log every unit's state transitions (logger below, INFO).
+LOG_TRANSITIONS_ENV = "HYPERFSDP_LOG_TRANSITIONS"
+transition_logger = logging.getLogger("hyperfsdp_core.transitions")
+
+
+class RootContext:
+    """Shared by all units under one root; created at the root's lazy init."""
+
+    def __init__(self, root: FSDPState, states: list[FSDPState], comm: Comm) -> None:
+        self.root = root
+        self.states = states
+        self.comm = comm
+        self.finalize_runs: tuple = ()
+        #: Plugins' per-root data (queues, groups), keyed by the plugin's own key.
+        self.stash: dict[Any, Any] = {}
+        # per iteration
+        self.iter_forward_root: FSDPState | None = None
+        self.in_backward = False
+        self.callback_queued = False
+        self.post_forward_order: list[FSDPState] = []
+        self.forward_order: list[FSDPState] = []
+        self.next_in_forward: dict[FSDPState, FSDPState] = {}
+        self.pending_reductions: list[Reduction] = []
+        # transition log: None when off (the common case costs one attribute test)
+        self.transition_log: list[tuple[str, str, str, str]] | None = None
+        if os.environ.get(LOG_TRANSITIONS_ENV):
+            self.enable_transition_log()
+
+    # -- transition log ---------------------------------------------------------------------
+    def enable_transition_log(self) -> list[tuple[str, str, str, str]]:
+        """Start recording ``(unit_fqn, event, from_state, to_state)``; returns the list."""
+        if self.transition_log is None:
+            self.transition_log = []
+        if os.environ.get(LOG_TRANSITIONS_ENV) and not transition_logger.handlers:
+            transition_logger.addHandler(logging.StreamHandler())
+            transition_logger.setLevel(logging.INFO)
+        return self.transition_log
+
+    def record(self, fqn: str, event: str, old: str, new: str) -> None:
+        assert self.transition_log is not None
+        self.transition_log.append((fqn, event, old, new))
+        transition_logger.info("%s %s: %s -> %s", fqn or "<root>", event, old, new)
+
+    # -- forward ------------------------------------------------------------------------------
+    def end_forward(self) -> None:
+        """The iteration's forward root finished its forward."""
+        if self.forward_order:
+            order = self.forward_order
+            self.next_in_forward = {a: b for a, b in itertools.pairwise(order) if a is not b}
+            self.forward_order = []
+        self.iter_forward_root = None
+
+    # -- backward -------------------------------------------------------------------------------
+    def begin_backward(self) -> None:
+        self.in_backward = True
+        if not self.callback_queued:
+            self.callback_queued = True
+            queue_end_of_backward_callback(self.root.root_post_backward)
+
+    def add_reductions(self, reductions: list[Reduction]) -> None:
+        self.pending_reductions.extend(reductions)
+
+    def drain_reductions(self) -> None:
+        """Wait for every pending reduce-scatter and hand its result on (idempotent)."""
+        pending, self.pending_reductions = self.pending_reductions, []
+        for red in pending:
+            finish_reduction(red, self.comm)
+
+    def end_backward(self, is_last_backward: bool) -> None:
+        self.in_backward = False
+        self.callback_queued = False
+        if is_last_backward:
+            self.post_forward_order.clear()
+            for state in self.states:
+                state.post_forward_indices.clear()
+
+    def reset(self) -> None:
+        """Forget the current iteration (after an exception); in-flight reductions are dropped."""
+        for red in self.pending_reductions:
+            red.handle.abandon()
+        self.pending_reductions = []
+        self.iter_forward_root = None
+        self.in_backward = False
+        self.callback_queued = False
+        self.post_forward_order.clear()
+        self.forward_order = []
+        for state in self.states:
+            state.post_forward_indices.clear()
+
+
+def finish_reduction(red: Reduction, comm: Comm) -> None:
+    """Wait for one reduction, run the bucket's reducers, then apply it unless deferred."""
+    red.wait(comm)
+    for reducer in red.bucket.reducers:
+        reducer(red)
+    if not red.deferred:
+        red.apply()

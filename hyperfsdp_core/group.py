@@ -1,0 +1,440 @@
+"""Buckets (one all-gather and one reduce-scatter each) and the per-unit ParamGroup.
+
+A unit's parameters are bucketed by data-parallel topology and dtypes. Each bucket
+owns three flat buffers:
+
+* ``sharded_flat`` (original dtype): every member's padded shard back to back; the
+  members' DTensor local tensors are views of it, so it *is* the all-gather input
+  (no copy-in unless a cast is needed);
+* ``unsharded_flat`` (compute dtype, param-major, ``world * total``): the members'
+  unsharded parameters alias it; its storage is freed (resized to 0) on reshard and
+  re-allocated on unshard, so autograd's saved references stay valid;
+* a reduce-scatter pack (reduce dtype, rank-major), borrowed per step from a pool.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .collectives import Comm, Handle
+from .layout import Segment, pack_segments
+from .mesh_info import MeshInfo
+from .param import HSDPParam, StorageOwner
+
+
+class ShardedState(enum.Enum):
+    SHARDED = "sharded"
+    UNSHARDED = "unsharded"
+
+
+def _free(t: torch.Tensor | None) -> None:
+    if t is not None and t.untyped_storage().size() != 0:
+        t.untyped_storage().resize_(0)
+
+
+def _alloc(t: torch.Tensor) -> None:
+    nbytes = t.numel() * t.element_size()
+    if t.untyped_storage().size() != nbytes:
+        t.untyped_storage().resize_(nbytes)
+
+
+def _alias(base: torch.Tensor, offset: int, shape: tuple[int, ...], stride) -> torch.Tensor:
+    """A tensor on ``base``'s storage with its own version counter.
+
+    Writes into ``base`` (all-gathers, copy-outs) must not bump the version counter
+    of the unsharded parameters that autograd saved for backward.
+    """
+    return torch.empty(0, dtype=base.dtype, device=base.device).set_(
+        base.untyped_storage(), base.storage_offset() + offset, shape, stride
+    )
+
+
+class _PackPlan:
+    """How one member's full gradient lands in its rank-major reduce-scatter slots."""
+
+    __slots__ = ("chunk", "dim", "numel", "offset", "post", "pre", "quot", "rem", "rows", "world")
+
+    def __init__(self, p: HSDPParam, seg: Segment, world: int) -> None:
+        lay = p.layout
+        self.offset, self.numel, self.world = seg.offset, seg.numel, world
+        self.dim = p.shard_dim
+        self.chunk = lay.chunk
+        self.rows = lay.global_shape[lay.dim]
+        self.quot, self.rem = divmod(self.rows, self.chunk) if self.chunk else (0, 0)
+        self.pre = math.prod(lay.global_shape[: lay.dim])
+        self.post = math.prod(lay.global_shape[lay.dim + 1 :])
+
+    def pack(self, dst2d: torch.Tensor, grad: torch.Tensor | None) -> None:
+        dst = dst2d[:, self.offset : self.offset + self.numel]
+        if grad is None:
+            dst.zero_()
+            return
+        if self.dim != 0:  # even by construction: slot r is chunk r of dim `dim`
+            src = grad.reshape(self.pre, self.world, self.chunk, self.post).permute(1, 0, 2, 3)
+            dst.view(self.world, self.pre, self.chunk, self.post).copy_(src)
+            return
+        rows = grad.reshape(self.rows, self.post)
+        dst3 = dst.view(self.world, self.chunk, self.post)
+        q, rem = self.quot, self.rem
+        if q:
+            dst3[:q].copy_(rows[: q * self.chunk].view(q, self.chunk, self.post))
+        if q < self.world:
+            if rem:
+                dst3[q, :rem].copy_(rows[q * self.chunk :])
+            dst3[q, rem:].zero_()
+            dst3[q + 1 :].zero_()
+
+
+class Reduction:
+    """A bucket's gradient reduction in flight; ``finish()`` waits and applies it.
+
+    Plugins that reduce further (all-reduce over a replicate group) call
+    :meth:`defer` from their reducer and apply the result later themselves.
+    """
+
+    __slots__ = ("bucket", "deferred", "handle", "members", "output", "pack", "present", "segments")
+
+    def __init__(self, bucket, output, handle, pack, members, segments, present) -> None:
+        self.bucket: Bucket = bucket
+        self.output: torch.Tensor = output  # this rank's reduced shards, flat, reduce dtype
+        self.handle: Handle = handle
+        self.pack = pack  # buffer to recycle once the collective is done
+        self.members: list[HSDPParam] = members
+        self.segments: list[Segment] = segments
+        self.present: list[bool] = present  # which members receive a gradient
+        self.deferred = False
+
+    def wait(self, comm: Comm) -> None:
+        self.handle.wait()
+        if self.pack is not None:
+            comm.recycle(self.pack)
+            self.pack = None
+
+    def defer(self) -> None:
+        """Take over applying this reduction (the core will not apply it)."""
+        self.deferred = True
+
+    def apply(self) -> None:
+        out = self.output
+        for p, seg, present in zip(self.members, self.segments, self.present):
+            if present:
+                numel = p.layout.actual_numel
+                p.apply_sharded_grad(
+                    out[seg.offset : seg.offset + numel].view(p.layout.actual_shape)
+                )
+
+
+class Bucket:
+    """Parameters that share topology and dtypes: one all-gather, one reduce-scatter."""
+
+    def __init__(self, params: list[HSDPParam]) -> None:
+        first = params[0]
+        self.params = params
+        self.mesh_info: MeshInfo = first.mesh_info
+        self.world = first.mesh_info.shard_size
+        self.orig_dtype = first.orig_dtype
+        self.param_dtype = first.param_dtype
+        self.reduce_dtype = first.reduce_dtype
+        self.segments, self.total = pack_segments([p.layout.padded_numel for p in params])
+        self.sharded_flat: torch.Tensor | None = None
+        self.unsharded_flat: torch.Tensor | None = None
+        self.state = ShardedState.SHARDED
+        self.pending: Handle | None = None
+        self._staging: torch.Tensor | None = None
+        self._cast_in: torch.Tensor | None = None
+        self.reducers: list[Callable[[Reduction], None]] = []
+        self.divide_factor: float = float(self.mesh_info.dp_size)
+        self._reduce_key: tuple[bool, ...] | None = None
+        self._reduce_plan: tuple[list[HSDPParam], list[Segment], list[_PackPlan], int] | None = None
+
+    @staticmethod
+    def key(p: HSDPParam) -> tuple:
+        return (p.mesh_info, p.orig_dtype, p.param_dtype, p.reduce_dtype)
+
+    @property
+    def needs_all_gather(self) -> bool:
+        return self.world > 1
+
+    @property
+    def needs_cast(self) -> bool:
+        return self.param_dtype != self.orig_dtype
+
+    @property
+    def device(self) -> torch.device:
+        assert self.sharded_flat is not None
+        return self.sharded_flat.device
+
+    @property
+    def padding_numel(self) -> int:
+        return sum(p.layout.padding_numel for p in self.params)
+
+    # -- sharded storage --------------------------------------------------------------------
+    def build_sharded(self, locals_: list[torch.Tensor], device: torch.device) -> None:
+        """(Re)build the flat sharded buffer from each member's actual shard."""
+        flat = torch.empty(self.total, dtype=self.orig_dtype, device=device)
+        for p, seg, local in zip(self.params, self.segments, locals_):
+            slot = flat[seg.offset : seg.offset + seg.numel].view(p.layout.padded_shape)
+            actual = slot.narrow(p.shard_dim, 0, p.layout.actual_len)
+            if device.type != "meta":
+                actual.copy_(local)
+                if p.layout.padding_numel:
+                    slot.narrow(
+                        p.shard_dim,
+                        p.layout.actual_len,
+                        p.layout.padding_numel // p.layout.row_numel,
+                    ).zero_()
+            p.install_sharded(actual)
+        self.sharded_flat = flat
+        self.unsharded_flat = None
+        self.state = ShardedState.SHARDED
+        self._reduce_key = None
+
+    @property
+    def storage_owner(self) -> StorageOwner:
+        """Who will own the members' unsharded memory (the same for every member)."""
+        if not self.needs_all_gather:
+            return StorageOwner.CAST_BUFFER if self.needs_cast else StorageOwner.SHARDED_STORAGE
+        if len(self.params) == 1 and self.params[0].shard_dim == 0:
+            return StorageOwner.ALL_GATHER_OUTPUT
+        return StorageOwner.FUSED_BUFFER
+
+    def init_unsharded(self) -> None:
+        """Create the stable unsharded Parameters (once per sharded storage)."""
+        if self.unsharded_flat is not None or self.sharded_flat is None:
+            return
+        owner = self.storage_owner
+        if owner is StorageOwner.SHARDED_STORAGE:
+            base, scale = self.sharded_flat, 1
+        else:
+            base = torch.empty(self.world * self.total, dtype=self.param_dtype, device=self.device)
+            scale = self.world
+        for p, seg in zip(self.params, self.segments):
+            view = _alias(base, scale * seg.offset, p.global_shape, p.global_stride)
+            p.unsharded_param = nn.Parameter(view, requires_grad=p.requires_grad)
+            p.storage_owner = owner
+        self.unsharded_flat = base
+        if owner is not StorageOwner.SHARDED_STORAGE:
+            _free(base)
+
+    # -- unshard / reshard -----------------------------------------------------------------
+    @property
+    def is_unsharded(self) -> bool:
+        return self.state is ShardedState.UNSHARDED
+
+    def start_unshard(self, comm: Comm) -> None:
+        """Issue the all-gather (or the local cast); idempotent while unsharded or in flight."""
+        if self.state is ShardedState.UNSHARDED or self.pending is not None:
+            return
+        self.init_unsharded()
+        flat = self.unsharded_flat
+        assert flat is not None and self.sharded_flat is not None
+        if not self.needs_all_gather:
+            if self.needs_cast:
+                _alloc(flat)
+                flat.copy_(self.sharded_flat)
+            self.pending = _READY
+            return
+        _alloc(flat)
+        inp = self.sharded_flat
+        if self.needs_cast:
+            self._cast_in = comm.buffer(self.total, self.param_dtype)
+            inp = self._cast_in.copy_(inp)
+        if self.storage_owner is StorageOwner.ALL_GATHER_OUTPUT:
+            out = flat
+        else:
+            out = self._staging = comm.buffer(self.world * self.total, self.param_dtype)
+        self.pending = comm.all_gather(out, inp, self.mesh_info.shard_group)
+
+    def finish_unshard(self, comm: Comm) -> None:
+        """Wait for the all-gather, copy out, and register the unsharded parameters."""
+        handle = self.pending
+        if handle is None:
+            return
+        handle.wait()
+        self.pending = None
+        if self._cast_in is not None:
+            comm.recycle(self._cast_in)
+            self._cast_in = None
+        if self._staging is not None:
+            self._copy_out(self._staging)
+            comm.recycle(self._staging)
+            self._staging = None
+        for p in self.params:
+            p.to_unsharded()
+        self.state = ShardedState.UNSHARDED
+
+    def _copy_out(self, staging: torch.Tensor) -> None:
+        world, flat = self.world, self.unsharded_flat
+        assert flat is not None
+        src = staging.view(world, self.total)
+        dim0_src, dim0_sizes, dim0_out = [], [], []
+        for p, seg in zip(self.params, self.segments):
+            region = flat[world * seg.offset : world * (seg.offset + seg.numel)]
+            if p.shard_dim == 0:
+                dim0_sizes.append(seg.numel)
+                dim0_out.append(region.view(world, seg.numel))
+                dim0_src.append(seg)
+            else:
+                lay = p.layout
+                pre = math.prod(lay.global_shape[: lay.dim])
+                post = math.prod(lay.global_shape[lay.dim + 1 :])
+                part = src[:, seg.offset : seg.offset + seg.numel]
+                region.view(pre, world, lay.chunk, post).copy_(
+                    part.reshape(world, pre, lay.chunk, post).permute(1, 0, 2, 3)
+                )
+        if len(dim0_out) == len(self.params):
+            torch.split_with_sizes_copy(src, dim0_sizes, dim=1, out=dim0_out)
+        else:
+            for seg, out in zip(dim0_src, dim0_out):
+                out.copy_(src[:, seg.offset : seg.offset + seg.numel])
+
+    def reshard(self) -> None:
+        if self.pending is not None:  # an unshard nobody waited for (e.g. a prefetch)
+            self.pending.abandon()
+            self.pending = None
+            self._staging = self._cast_in = None
+        if self.state is ShardedState.SHARDED:
+            if self.unsharded_flat is not None and self.unsharded_flat is not self.sharded_flat:
+                _free(self.unsharded_flat)
+            return
+        for p in self.params:
+            p.to_sharded()
+        if self.unsharded_flat is not self.sharded_flat:
+            _free(self.unsharded_flat)
+        self.state = ShardedState.SHARDED
+
+    # -- gradients ----------------------------------------------------------------------------
+    def _plan(self) -> tuple[list[HSDPParam], list[Segment], list[_PackPlan], int]:
+        """The reduce layout over the members that require grad (recomputed if that changes)."""
+        key = tuple(p.requires_grad for p in self.params)
+        if key != self._reduce_key or self._reduce_plan is None:
+            members = [p for p, rg in zip(self.params, key) if rg]
+            segments, total = pack_segments([p.layout.padded_numel for p in members])
+            plans = [_PackPlan(p, seg, self.world) for p, seg in zip(members, segments)]
+            self._reduce_plan = (members, segments, plans, total)
+            self._reduce_key = key
+        return self._reduce_plan
+
+    def reduce(self, comm: Comm, *, include_unused: bool) -> Reduction | None:
+        """Reduce-scatter the members' unsharded gradients (pre-scaled once)."""
+        members, segments, plans, total = self._plan()
+        if not members:
+            return None
+        grads = [p.take_unsharded_grad() for p in members]
+        present = [g is not None for g in grads]
+        if not any(present) and not include_unused:
+            return None
+        if include_unused:
+            present = [True] * len(members)
+        scale = 1.0 / self.divide_factor if self.divide_factor != 1 else None
+        world, rdtype = self.world, self.reduce_dtype
+        if world == 1:
+            pack = None
+            output = torch.empty(total, dtype=rdtype, device=self.device)
+            out2d = output.view(1, total)
+            for plan, g in zip(plans, grads):
+                plan.pack(out2d, g)
+            if scale is not None:
+                output.mul_(scale)
+            return Reduction(self, output, _READY, None, members, segments, present)
+        g0 = grads[0]
+        direct = (
+            len(members) == 1
+            and g0 is not None
+            and plans[0].dim == 0
+            and plans[0].rows == world * plans[0].chunk
+            and g0.dtype == rdtype
+            and g0.is_contiguous()
+        )
+        if direct:
+            pack, recycle = g0.view(-1), None
+        else:
+            pack = recycle = comm.buffer(world * total, rdtype)
+            pack2d = pack.view(world, total)
+            for plan, g in zip(plans, grads):
+                plan.pack(pack2d, g)
+        if scale is not None:
+            pack.mul_(scale)
+        output = torch.empty(total, dtype=rdtype, device=self.device)
+        handle = comm.reduce_scatter(output, pack, self.mesh_info.shard_group, dist.ReduceOp.SUM)
+        red = Reduction(self, output, handle, recycle, members, segments, present)
+        if recycle is None:
+            handle.keepalive = pack
+        return red
+
+    def keep_grads(self) -> None:
+        for p in self.params:
+            p.keep_unsharded_grad()
+
+
+class _Ready(Handle):
+    """A handle that is always complete (local paths that issue no collective)."""
+
+    def wait(self) -> None:
+        return
+
+    def abandon(self) -> None:
+        return
+
+
+_READY = _Ready()
+
+
+class ParamGroup:
+    """All managed parameters of one ``fully_shard`` call, in buckets."""
+
+    def __init__(self, params: list[HSDPParam]) -> None:
+        self.params = params
+        by_key: dict[tuple, list[HSDPParam]] = {}
+        for p in params:
+            by_key.setdefault(Bucket.key(p), []).append(p)
+        self.buckets = [Bucket(members) for members in by_key.values()]
+
+    def build_sharded(self, locals_by_param: dict[int, torch.Tensor], device: torch.device) -> None:
+        for b in self.buckets:
+            b.build_sharded([locals_by_param[id(p)] for p in b.params], device)
+
+    def init_unsharded(self) -> None:
+        for b in self.buckets:
+            b.init_unsharded()
+
+    @property
+    def is_unsharded(self) -> bool:
+        return all(b.is_unsharded for b in self.buckets)
+
+    @property
+    def is_sharded(self) -> bool:
+        return all(b.state is ShardedState.SHARDED and b.pending is None for b in self.buckets)
+
+    def unshard(self, comm: Comm) -> None:
+        for b in self.buckets:
+            b.start_unshard(comm)
+
+    def wait_for_unshard(self, comm: Comm) -> None:
+        for b in self.buckets:
+            b.finish_unshard(comm)
+
+    def reshard(self) -> None:
+        for b in self.buckets:
+            b.reshard()
+
+    def reduce(self, comm: Comm, *, include_unused: bool) -> list[Reduction]:
+        out = []
+        for b in self.buckets:
+            red = b.reduce(comm, include_unused=include_unused)
+            if red is not None:
+                out.append(red)
+        return out
+
+    def keep_grads(self) -> None:
+        for b in self.buckets:
+            b.keep_grads()
+
+    def iter_params(self) -> Iterable[HSDPParam]:
+        return iter(self.params)

@@ -1,0 +1,146 @@
+"""The hyperfsdp plugin contract.
+
+Every hook is declared here, grouped by when it runs. Plugins implement them with
+``@hyperfsdp_core.hookimpl``. Hooks marked *lazy-init* are called once per unit at
+the root's first forward and return plain callables that the per-step hot path
+then calls directly, so a plugin that does not care costs nothing per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from .group import Bucket
+    from .mesh_info import MeshInfo
+    from .param import HSDPParam
+    from .plugins import Phase
+    from .state import FSDPState
+    from .unit import UnitSpec
+
+hookspec = pluggy.HookspecMarker("hyperfsdp")
+
+# --------------------------------------------------------------------------------------
+# init: fully_shard() time, before any parameter is touched or any collective is issued
+# --------------------------------------------------------------------------------------
+
+
+@hookspec
+def hyperfsdp_validate_unit(unit: UnitSpec) -> None:
+    """Check one ``fully_shard`` call's inputs; raise ``ValueError``/``ImportError`` to reject.
+
+    Runs before the module is modified. Errors should name the parameter FQNs
+    involved (``unit.named_params``), say what is wrong and what to do instead.
+
+    :param unit: the modules, the parameters this call manages, the mesh and options.
+    """
+
+
+@hookspec(firstresult=True)
+def hyperfsdp_select_mesh_info(unit: UnitSpec, fqn: str, param: nn.Parameter) -> MeshInfo | None:
+    """Choose the data-parallel topology of one managed parameter.
+
+    Stops at the first non-``None`` result. The core's own implementation runs last
+    and handles 1-D meshes (FSDP); it raises for layouts that need a plugin that is
+    not installed (for example a 2-D mesh without ``hyperfsdp[hsdp]``). Return the
+    same (frozen) MeshInfo object for parameters that share a topology.
+
+    :param unit: the ``fully_shard`` call being processed.
+    :param fqn: the parameter's name relative to the unit's module(s).
+    :param param: the parameter, before sharding.
+    """
+
+
+@hookspec
+def hyperfsdp_module_mixins(unit: UnitSpec) -> Sequence[type] | None:
+    """Mixin classes to union into the unit's module classes, besides ``FSDPModule``.
+
+    The resulting class is ``FSDP<Name>`` with bases ``(FSDPModule, *mixins, Orig)``
+    and is cached per original class and mixin set.
+    """
+
+
+@hookspec(firstresult=True)
+def hyperfsdp_param_dtypes(
+    unit: UnitSpec, param: nn.Parameter
+) -> tuple[torch.dtype | None, torch.dtype | None] | None:
+    """Return ``(param_dtype, reduce_dtype)`` for one parameter, or ``None`` for no opinion.
+
+    ``param_dtype`` is the dtype of the all-gather and of the unsharded (compute)
+    parameter; ``reduce_dtype`` that of the gradient reduction. ``None`` entries mean
+    the parameter's original dtype. Stops at the first non-``None`` result.
+    """
+
+
+# --------------------------------------------------------------------------------------
+# forward: resolved at lazy init into per-unit lists of callables
+# --------------------------------------------------------------------------------------
+
+
+@hookspec
+def hyperfsdp_forward_input_transform(
+    state: FSDPState,
+) -> Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]] | None:
+    """*lazy-init* Return a callable applied to each forward's ``(args, kwargs)``, or ``None``.
+
+    Called once per unit; the callables run in each module's forward pre-hook, after
+    the parameters are unsharded.
+    """
+
+
+@hookspec
+def hyperfsdp_forward_output_transform(state: FSDPState) -> Callable[[Any], Any] | None:
+    """*lazy-init* Return a callable applied to each module's forward output, or ``None``."""
+
+
+# --------------------------------------------------------------------------------------
+# backward: resolved at lazy init into per-bucket lists of callables
+# --------------------------------------------------------------------------------------
+
+
+@hookspec
+def hyperfsdp_gradient_reducers(bucket: Bucket) -> Callable[..., Any] | None:
+    """*lazy-init* Return a reducer for a bucket's reduced gradient, or ``None``.
+
+    The reducer is called in post-backward as ``reducer(reduction)`` with the
+    :class:`~hyperfsdp_core.group.Reduction` that the core's reduce-scatter produced
+    (or, for buckets that do not reduce-scatter, the packed local gradient). It may
+    take the reduction over (for example to all-reduce it over a replicate group
+    and apply it later in a finalization phase) by calling ``reduction.defer()``.
+    """
+
+
+# --------------------------------------------------------------------------------------
+# finalize: the root's end-of-backward callback
+# --------------------------------------------------------------------------------------
+
+
+@hookspec
+def hyperfsdp_finalize_phases() -> Sequence[Phase]:
+    """Declare finalization phases run by the root after every backward.
+
+    A :class:`~hyperfsdp_core.plugins.Phase` names itself and the phases it runs
+    ``after``/``before``. The core resolves one order when plugins are registered
+    (topological, ties broken by name); cycles and unknown names are errors. The
+    core's reduce-scatter drain (``core.reduce_scatter_drain``) always runs first.
+    """
+
+
+# --------------------------------------------------------------------------------------
+# state dict: reacting to new parameter storage
+# --------------------------------------------------------------------------------------
+
+
+@hookspec
+def hyperfsdp_param_reset(param: HSDPParam) -> None:
+    """A managed parameter's sharded storage was rebuilt.
+
+    Called after ``load_state_dict(assign=True)``, ``module.to(...)``/``_apply`` and
+    ``to_empty()``, once the padded communication storage is rebuilt.
+    """

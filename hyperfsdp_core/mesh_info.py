@@ -1,0 +1,119 @@
+"""Frozen descriptions of a parameter's data-parallel topology.
+
+A MeshInfo says over which ranks a parameter is sharded (the shard group) and over
+which ranks its gradient is additionally all-reduced (the replicate group). It holds
+no tensors, dtypes or work handles; parameters with the same topology share one.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+
+def _group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
+    return tuple(dist.get_process_group_ranks(group)) if group is not None else ()
+
+
+@attrs.frozen(eq=False)
+class MeshInfo:
+    """Common fields; use one of the three kinds below."""
+
+    mesh: DeviceMesh
+    shard_group: dist.ProcessGroup | None
+    shard_size: int
+    shard_rank: int
+    replicate_group: dist.ProcessGroup | None = None
+    replicate_size: int = 1
+    replicate_rank: int = 0
+    shard_mesh_dim: int | None = None
+    replicate_mesh_dim: int | None = None
+    kind: str = "FSDP"
+    key: tuple = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(
+            self,
+            "key",
+            (self.kind, _group_ranks(self.shard_group), _group_ranks(self.replicate_group)),
+        )
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MeshInfo) and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    @property
+    def needs_all_gather(self) -> bool:
+        return self.shard_size > 1
+
+    @property
+    def device(self) -> torch.device:
+        return mesh_device(self.mesh)
+
+    @property
+    def dp_size(self) -> int:
+        """Total data-parallel degree: gradients are averaged over this many ranks."""
+        return self.shard_size * self.replicate_size
+
+    def describe(self) -> str:
+        return f"{self.kind}(shard={self.shard_size}, replicate={self.replicate_size})"
+
+
+def fsdp_mesh_info(mesh: DeviceMesh) -> MeshInfo:
+    """Fully sharded over a 1-D mesh."""
+    if mesh.ndim != 1:
+        raise ValueError(f"fsdp_mesh_info expects a 1-D mesh, got {mesh.ndim}-D")
+    return MeshInfo(
+        mesh=mesh,
+        shard_group=mesh.get_group(0),
+        shard_size=mesh.size(0),
+        shard_rank=mesh.get_local_rank(0),
+        shard_mesh_dim=0,
+        kind="FSDP",
+    )
+
+
+def hsdp_mesh_info(mesh: DeviceMesh) -> MeshInfo:
+    """Sharded over mesh dim 1, replicated over mesh dim 0."""
+    if mesh.ndim != 2:
+        raise ValueError(f"hsdp_mesh_info expects a 2-D mesh, got {mesh.ndim}-D")
+    return MeshInfo(
+        mesh=mesh,
+        shard_group=mesh.get_group(1),
+        shard_size=mesh.size(1),
+        shard_rank=mesh.get_local_rank(1),
+        replicate_group=mesh.get_group(0),
+        replicate_size=mesh.size(0),
+        replicate_rank=mesh.get_local_rank(0),
+        shard_mesh_dim=1,
+        replicate_mesh_dim=0,
+        kind="HSDP",
+    )
+
+
+def ddp_mesh_info(mesh: DeviceMesh, group: dist.ProcessGroup, size: int, rank: int) -> MeshInfo:
+    """Not sharded; gradients all-reduced over ``group`` (the whole data-parallel group)."""
+    return MeshInfo(
+        mesh=mesh,
+        shard_group=None,
+        shard_size=1,
+        shard_rank=0,
+        replicate_group=group,
+        replicate_size=size,
+        replicate_rank=rank,
+        kind="DDP",
+    )
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device a mesh communicates on: the current device for accelerators, else CPU."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, mesh.device_type, None)
+    if module is not None and hasattr(module, "current_device"):
+        return torch.device(mesh.device_type, module.current_device())
+    return torch.device(mesh.device_type)

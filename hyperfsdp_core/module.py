@@ -1,0 +1,254 @@
+"""FSDPModule: the mixin unioned into a sharded module's class, and the class union itself."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from .state import FSDPState
+
+UNIONED_PACKAGE = "hyperfsdp_core.unioned"
+
+
+class UnshardHandle:
+    """A handle to wait on an :meth:`FSDPModule.unshard` issued with ``async_op=True``."""
+
+    def __init__(self, state: FSDPState | None = None) -> None:
+        self._state = state
+
+    def wait(self) -> None:
+        """Wait for the all-gather; the unsharded parameters are then registered."""
+        state, self._state = self._state, None
+        if state is not None and state.group is not None:
+            state.group.wait_for_unshard(state.comm)
+
+
+class FSDPModule:
+    """Methods every sharded module gains (same meaning as PyTorch FSDP2's ``FSDPModule``)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        # Containers (e.g. nn.Sequential slicing) build new instances of type(self):
+        # build the original class instead of an unsharded "FSDP" module.
+        orig = cls._hyperfsdp_orig_cls  # type: ignore[attr-defined]
+        self = orig.__new__(orig, *args, **kwargs)
+        self.__init__(*args, **kwargs)
+        return self
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise RuntimeError(
+            "hyperfsdp: a sharded module cannot be deep-copied; copy its state_dict() into a "
+            "freshly built module instead"
+        )
+
+    def _fsdp_state(self) -> FSDPState:
+        return self._hyperfsdp_state  # type: ignore[attr-defined]
+
+    def _fsdp_states(self, recurse: bool) -> list[FSDPState]:
+        if not recurse:
+            return [self._fsdp_state()]
+        states: list[FSDPState] = []
+        for module in self.modules():  # type: ignore[attr-defined]
+            state = getattr(module, "_hyperfsdp_state", None)
+            if state is not None and state not in states:
+                states.append(state)
+        return states
+
+    # -- unshard / reshard --------------------------------------------------------------------
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's parameters (not recursive); see FSDP2."""
+        state = self._fsdp_state()
+        group = state.group
+        if group is None:
+            return UnshardHandle() if async_op else None
+        state.ensure_storage()
+        if state.comm is None:
+            from .collectives import Comm
+
+            state.comm = Comm(state.device)
+        group.init_unsharded()
+        group.unshard(state.comm)
+        handle = UnshardHandle(state)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters and register the sharded ones (not recursive)."""
+        group = self._fsdp_state().group
+        if group is not None:
+            group.reshard()
+
+    def reset_iter_state(self) -> None:
+        """Recover after an exception in forward or backward; call on the root."""
+        self._fsdp_state().reset_iter_state()
+
+    # -- options ----------------------------------------------------------------------------------
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward is the last before the optimizer step (call on the root)."""
+        self._fsdp_state().is_last_backward = is_last_backward
+
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
+        for state in self._fsdp_states(recurse):
+            state.requires_gradient_sync = requires_gradient_sync
+            state.requires_all_reduce = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        for state in self._fsdp_states(recurse):
+            state.requires_all_reduce = requires_all_reduce
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+        for state in self._fsdp_states(recurse):
+            state.reshard_after_forward = reshard_after_forward
+            state.auto_reshard_after_forward = False
+
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
+        for state in self._fsdp_states(recurse):
+            state.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules: Sequence[FSDPModule]) -> None:
+        _check_fsdp_modules(modules)
+        self._fsdp_state().forward_prefetch = [m._fsdp_state() for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: Sequence[FSDPModule]) -> None:
+        _check_fsdp_modules(modules)
+        self._fsdp_state().backward_prefetch = [m._fsdp_state() for m in modules]
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide reduced gradients by ``factor`` instead of the data-parallel size.
+
+        Works on every backend: the scaling is applied once, before a plain SUM.
+        """
+        if factor <= 0:
+            raise ValueError(f"gradient divide factor must be positive, got {factor}")
+        group = self._fsdp_state().group
+        if group is not None:
+            for bucket in group.buckets:
+                bucket.divide_factor = float(factor)
+
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        for state in self._fsdp_states(recurse):
+            state.reduce_scatter_unused_params = reduce_scatter_unused_params
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        self._fsdp_state().unshard_in_backward = unshard_in_backward
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """Make the root's next all-gathers wait on ``event`` instead of the whole stream."""
+        self._fsdp_state().post_optim_event = event
+
+    def set_all_reduce_hook(self, hook, *, stream=None) -> None:
+        self._fsdp_state().all_reduce_hook = hook
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Reductions always use SUM here (scaling is applied around it); kept for FSDP2 parity."""
+        self._fsdp_state().force_sum_reduction = enable  # type: ignore[attr-defined]
+
+    def sharding_plan(self):
+        """One row per managed parameter of this unit and its sub-units (see API.md)."""
+        from .plan import sharding_plan
+
+        return sharding_plan(self)
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # Parameters must be the sharded ones while their data is converted, then the
+        # padded communication storage is rebuilt around the converted shards.
+        state = self._fsdp_state()
+        if state.group is not None:
+            state.group.reshard()
+        result = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        if state.group is not None:
+            if len(state.modules) == 1:
+                from .api import reset_sharded_params
+
+                reset_sharded_params(state)
+            else:  # rebuild once every module of the list unit is converted
+                state.needs_reset = True
+        return result
+
+
+def _check_fsdp_modules(modules: Sequence[Any]) -> None:
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(
+                f"expected FSDPModule instances (modules given to fully_shard), got {type(m).__name__}"
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# class union: type(module) becomes FSDP<Name>(FSDPModule, *mixins, Name), cached
+# ---------------------------------------------------------------------------------------------
+
+_CLASS_CACHE: dict[tuple[type, tuple[type, ...]], type] = {}
+
+
+def fsdp_class(orig: type, mixins: tuple[type, ...] = ()) -> type:
+    """The unioned class for ``orig`` (the same object every time for the same inputs).
+
+    The class is picklable by reference: it lives (virtually) in the module
+    ``hyperfsdp_core.unioned.<orig module>``, which any process can import.
+    """
+    if issubclass(orig, FSDPModule):
+        return orig
+    key = (orig, tuple(mixins))
+    cls = _CLASS_CACHE.get(key)
+    if cls is None:
+        name = "FSDP" + orig.__name__ + "".join("_" + m.__name__ for m in mixins)
+        cls = type(name, (FSDPModule, *mixins, orig), {"_hyperfsdp_orig_cls": orig})
+        cls.__module__ = f"{UNIONED_PACKAGE}.{orig.__module__}"
+        cls.__qualname__ = "FSDP" + orig.__qualname__ if not mixins else name
+        _CLASS_CACHE[key] = cls
+    return cls
+
+
+class _UnionedModule(types.ModuleType):
+    """``hyperfsdp_core.unioned.<mod>``: resolves ``FSDP<Qualname>`` to the cached class."""
+
+    def __getattr__(self, attr: str) -> Any:
+        target = self.__name__[len(UNIONED_PACKAGE) + 1 :]
+        for (orig, _mixins), cls in _CLASS_CACHE.items():
+            if orig.__module__ == target and cls.__qualname__ == attr:
+                return cls
+        if attr.startswith("FSDP"):
+            obj: Any = importlib.import_module(target)
+            for part in attr[4:].split("."):
+                obj = getattr(obj, part, None)
+            if isinstance(obj, type) and issubclass(obj, nn.Module):
+                return fsdp_class(obj)
+        raise AttributeError(f"module {self.__name__!r} has no attribute {attr!r}")
+
+
+class _UnionedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname, path, target=None):
+        if fullname == UNIONED_PACKAGE or fullname.startswith(UNIONED_PACKAGE + "."):
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = _UnionedModule(spec.name)
+        module.__path__ = []
+        return module
+
+    def exec_module(self, module) -> None:
+        return None
+
+
+if not any(isinstance(f, _UnionedFinder) for f in sys.meta_path):
+    sys.meta_path.append(_UnionedFinder())

@@ -1,0 +1,200 @@
+"""HSDPParam: one managed parameter's three layers and who owns its unsharded memory.
+
+* logical global tensor: the model's parameter, never padded (``global_shape``);
+* actual shard: this rank's ``torch.chunk`` rows, the DTensor's local tensor
+  (``sharded_param``), what the optimizer and checkpoints see;
+* padded communication slot: ``layout.padded_shape`` elements inside its bucket's
+  flat sharded buffer; the actual shard is a prefix view of it and the padding
+  (only for uneven shapes) stays zero.
+
+The flat buffers themselves belong to the :class:`~hyperfsdp_core.group.Bucket`.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ._torch_private import dtensor_from_local_fast
+from .layout import ShardLayout
+from .mesh_info import MeshInfo
+
+
+class StorageOwner(str, enum.Enum):
+    """Who owns the memory behind a parameter's unsharded view; reshard frees only what it owns."""
+
+    SHARDED_STORAGE = "sharded_storage"  # aliases the sharded buffer: never freed, never copied
+    CAST_BUFFER = "cast_buffer"  # a compute-dtype cast of the sharded buffer (no all-gather)
+    ALL_GATHER_OUTPUT = "all_gather_output"  # the all-gather writes straight into it
+    FUSED_BUFFER = "fused_buffer"  # the bucket's unsharded buffer, filled by copy-out
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+class HSDPParam:
+    """State of one managed parameter. Plugins keep their own data in ``stash``."""
+
+    def __init__(
+        self,
+        fqn: str,
+        param: nn.Parameter,
+        module_infos: list[tuple[nn.Module, str]],
+        mesh_info: MeshInfo,
+        shard_dim: int,
+    ) -> None:
+        self.fqn = fqn
+        self.module_infos = module_infos
+        self.mesh_info = mesh_info
+        self.shard_dim = shard_dim
+        self.global_shape = tuple(param.shape)
+        self.global_stride = contiguous_strides(self.global_shape)
+        self.orig_dtype = param.dtype
+        self.param_dtype: torch.dtype = param.dtype
+        self.reduce_dtype: torch.dtype = param.dtype
+        self.layout = ShardLayout(
+            self.global_shape, shard_dim, world=mesh_info.shard_size, rank=mesh_info.shard_rank
+        )
+        self.placements = placements_for(mesh_info, shard_dim)
+        self.stash: dict[Any, Any] = {}
+        self.storage_owner = StorageOwner.SHARDED_STORAGE
+        self.sharded_param: nn.Parameter = param  # replaced by the DTensor in install_sharded
+        self.unsharded_param: nn.Parameter | None = None
+        # Gradient kept across backwards with gradient sync disabled (reduce dtype).
+        self.accumulated_grad: torch.Tensor | None = None
+
+    # -- facts -------------------------------------------------------------------------------
+    @property
+    def needs_all_gather(self) -> bool:
+        return self.mesh_info.shard_size > 1
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.sharded_param.requires_grad
+
+    @property
+    def device(self) -> torch.device:
+        return self.sharded_param.device
+
+    def local_shard_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's actual shard of a full (logical) tensor, as a contiguous tensor."""
+        lay = self.layout
+        return full.narrow(self.shard_dim, lay.offset, lay.actual_len)
+
+    # -- registration on modules -------------------------------------------------------------
+    def install_sharded(self, local: torch.Tensor) -> None:
+        """Make ``sharded_param`` a DTensor around ``local`` (a view of the bucket's buffer).
+
+        The Parameter object stays the same across calls (optimizers hold it): the first
+        call creates it, later calls swap the new contents into it.
+        """
+        dt = DTensor.from_local(
+            local,
+            self.mesh_info.mesh,
+            self.placements,
+            run_check=False,
+            shape=torch.Size(self.global_shape),
+            stride=self.global_stride,
+        )
+        new = nn.Parameter(dt, requires_grad=self.sharded_param.requires_grad)
+        if isinstance(self.sharded_param, DTensor):
+            grad = self.sharded_param.grad
+            self.sharded_param.grad = None
+            torch.utils.swap_tensors(self.sharded_param, new)
+            self.sharded_param.grad = grad
+        else:
+            self.sharded_param = new
+        self.to_sharded()
+
+    def to_sharded(self) -> None:
+        self._register(self.sharded_param)
+
+    def to_unsharded(self) -> None:
+        unsharded = self.unsharded_param
+        assert unsharded is not None
+        if unsharded.requires_grad != self.sharded_param.requires_grad:
+            unsharded.requires_grad_(self.sharded_param.requires_grad)
+        self._register(unsharded)
+
+    def _register(self, param: nn.Parameter) -> None:
+        for module, name in self.module_infos:
+            # Skip nn.Module.__setattr__'s checks (hot path) unless the class overrides it.
+            if type(module).__setattr__ is nn.Module.__setattr__:
+                module._parameters[name] = param
+            else:
+                setattr(module, name, param)
+
+    def registered(self) -> nn.Parameter:
+        module, name = self.module_infos[0]
+        return module._parameters[name]
+
+    # -- gradients -----------------------------------------------------------------------------
+    def take_unsharded_grad(self) -> torch.Tensor | None:
+        """The gradient accumulated on the unsharded parameter (and sync-off accumulation)."""
+        unsharded = self.unsharded_param
+        grad = unsharded.grad if unsharded is not None else None
+        if grad is not None:
+            unsharded.grad = None
+        acc = self.accumulated_grad
+        if acc is not None:
+            self.accumulated_grad = None
+            if grad is not None:
+                acc.add_(grad)
+            return acc
+        return grad
+
+    def keep_unsharded_grad(self) -> None:
+        """Gradient sync is off: keep accumulating (in the reduce dtype if it differs)."""
+        unsharded = self.unsharded_param
+        if unsharded is None or unsharded.grad is None:
+            return
+        if self.reduce_dtype == unsharded.dtype and self.accumulated_grad is None:
+            return  # autograd keeps accumulating into unsharded.grad
+        grad = unsharded.grad
+        unsharded.grad = None
+        if self.accumulated_grad is None:
+            self.accumulated_grad = grad.to(self.reduce_dtype)
+        else:
+            self.accumulated_grad.add_(grad)
+
+    def apply_sharded_grad(self, local: torch.Tensor) -> None:
+        """Add (or set) this rank's reduced gradient shard on the sharded parameter."""
+        if local.dtype != self.orig_dtype:
+            local = local.to(self.orig_dtype)
+        param = self.sharded_param
+        existing = param.grad
+        if existing is None:
+            param.grad = dtensor_from_local_fast(local, param)
+        else:
+            existing.to_local().add_(local)
+
+    def clear_iteration_grads(self) -> None:
+        if self.unsharded_param is not None:
+            self.unsharded_param.grad = None
+        self.accumulated_grad = None
+
+    def __repr__(self) -> str:
+        return f"HSDPParam({self.fqn!r}, {self.global_shape}, {self.mesh_info.describe()})"
+
+
+def placements_for(mesh_info: MeshInfo, shard_dim: int) -> tuple:
+    """DTensor placements of a parameter with this topology."""
+    ndim = mesh_info.mesh.ndim
+    if mesh_info.kind == "DDP":
+        return (Replicate(),) * ndim
+    placements: list = [Replicate()] * ndim
+    assert mesh_info.shard_mesh_dim is not None
+    placements[mesh_info.shard_mesh_dim] = Shard(shard_dim)
+    return tuple(placements)

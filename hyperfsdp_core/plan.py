@@ -1,0 +1,104 @@
+"""sharding_plan(): a readable, per-parameter view of how a model is sharded."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from .param import HSDPParam
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+@attrs.frozen
+class PlanRow:
+    """How one managed parameter is sharded on this rank."""
+
+    fqn: str
+    global_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    padded_shape: tuple[int, ...]
+    orig_dtype: torch.dtype
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    mesh_kind: str
+    shard_size: int
+    replicate_size: int
+    needs_all_gather: bool
+    storage_owner: str
+    tp_replicate_axis: str | None
+
+    @classmethod
+    def of(cls, p: HSDPParam, owner: str) -> PlanRow:
+        return cls(
+            fqn=p.fqn,
+            global_shape=p.global_shape,
+            local_shape=p.layout.actual_shape,
+            padded_shape=p.layout.padded_shape,
+            orig_dtype=p.orig_dtype,
+            param_dtype=p.param_dtype,
+            reduce_dtype=p.reduce_dtype,
+            mesh_kind=p.mesh_info.kind,
+            shard_size=p.mesh_info.shard_size,
+            replicate_size=p.mesh_info.replicate_size,
+            needs_all_gather=p.needs_all_gather,
+            storage_owner=owner,
+            tp_replicate_axis=p.stash.get("tp_replicate_axis"),
+        )
+
+
+_COLUMNS = (
+    ("fqn", "param"),
+    ("global_shape", "global"),
+    ("local_shape", "local"),
+    ("padded_shape", "padded"),
+    ("dtypes", "orig/param/reduce"),
+    ("mesh", "mesh"),
+    ("needs_all_gather", "all-gather"),
+    ("storage_owner", "unsharded storage"),
+)
+
+
+class ShardingPlan(tuple[PlanRow, ...]):
+    """The rows of :meth:`FSDPModule.sharding_plan`; ``str()`` gives a table."""
+
+    def __str__(self) -> str:
+        def cell(row: PlanRow, key: str) -> str:
+            if key == "dtypes":
+                return "/".join(
+                    _dtype_name(d) for d in (row.orig_dtype, row.param_dtype, row.reduce_dtype)
+                )
+            if key == "mesh":
+                tp = f" tp:{row.tp_replicate_axis}" if row.tp_replicate_axis else ""
+                return f"{row.mesh_kind} s={row.shard_size} r={row.replicate_size}{tp}"
+            value = getattr(row, key)
+            if isinstance(value, tuple):
+                return "x".join(map(str, value)) or "()"
+            if isinstance(value, bool):
+                return "yes" if value else "no"
+            return str(value)
+
+        table = [[title for _, title in _COLUMNS]]
+        table += [[cell(row, key) for key, _ in _COLUMNS] for row in self]
+        widths = [max(len(r[i]) for r in table) for i in range(len(_COLUMNS))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+
+def sharding_plan(module) -> ShardingPlan:
+    rows: list[PlanRow] = []
+    seen: set[int] = set()
+    for sub in module.modules():
+        state = getattr(sub, "_hyperfsdp_state", None)
+        if state is None or id(state) in seen:
+            continue
+        seen.add(id(state))
+        if state.group is None:
+            continue
+        for bucket in state.group.buckets:
+            owner = str(bucket.storage_owner)
+            rows.extend(PlanRow.of(p, owner) for p in bucket.params)
+    return ShardingPlan(rows)

@@ -1,0 +1,263 @@
+"""The process-wide plugin manager, entry-point loading and finalization-phase ordering."""
+
+from __future__ import annotations
+
+import heapq
+import importlib
+import importlib.metadata
+import os
+import threading
+from collections.abc import Callable, Iterable
+from graphlib import CycleError, TopologicalSorter
+from typing import Any
+
+import attrs
+import pluggy
+
+from . import hookspecs
+
+PROJECT_NAME = "hyperfsdp"
+ENTRY_POINT_GROUP = "hyperfsdp"
+#: Set to a non-empty value to skip loading plugins from entry points.
+DISABLE_AUTOLOAD_ENV = "HYPERFSDP_DISABLE_PLUGIN_AUTOLOAD"
+#: Plugins that ship with the core, registered before any entry point.
+BUILTIN_PLUGINS = (
+    "hyperfsdp_core.builtin.core",
+    "hyperfsdp_core.builtin.mixed_precision",
+)
+#: The core's own phase; every other phase runs after it.
+FIRST_PHASE = "core.reduce_scatter_drain"
+
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+def _names(value: Iterable[str]) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value)
+
+
+@attrs.frozen
+class Phase:
+    """One finalization step, declared as data by a plugin.
+
+    ``run(ctx)`` is called with the root's :class:`~hyperfsdp_core.context.RootContext`
+    at the end of every backward. ``after``/``before`` name phases that must exist;
+    ``after_if_present``/``before_if_present`` order against phases of plugins that
+    may not be installed.
+    """
+
+    name: str = attrs.field(validator=attrs.validators.instance_of(str))
+    run: Callable[[Any], None] = attrs.field(eq=False)
+    after: tuple[str, ...] = attrs.field(default=(), converter=_names)
+    before: tuple[str, ...] = attrs.field(default=(), converter=_names)
+    after_if_present: tuple[str, ...] = attrs.field(default=(), converter=_names)
+    before_if_present: tuple[str, ...] = attrs.field(default=(), converter=_names)
+
+
+class PluginLoadError(ImportError):
+    """A plugin distribution's entry point could not be imported."""
+
+
+class PhaseOrderError(ValueError):
+    """The declared finalization phases cannot be ordered."""
+
+
+@attrs.frozen
+class PluginInfo:
+    name: str
+    distribution: str
+    version: str
+
+
+class HyperFSDPPluginManager(pluggy.PluginManager):
+    """A pluggy manager that keeps the resolved finalization order up to date.
+
+    After the initial load, every ``register``/``unregister`` re-resolves the phase
+    order; a registration that makes the order invalid is rolled back and raises.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(PROJECT_NAME)
+        self.add_hookspecs(hookspecs)
+        self._sealed = False
+        self._phases: tuple[Phase, ...] | None = None
+        self._distinfo: dict[str, PluginInfo] = {}
+        #: Incremented on every change, so caches built from hooks can tell they are stale.
+        self.generation = 0
+
+    def register(self, plugin: object, name: str | None = None) -> str | None:
+        plugin_name = super().register(plugin, name)
+        self._changed()
+        if self._sealed:
+            try:
+                self.check_pending()
+                self._resolve()
+            except Exception:
+                self.unregister(plugin)
+                raise
+        return plugin_name
+
+    def unregister(self, plugin: object | None = None, name: str | None = None) -> Any:
+        result = super().unregister(plugin, name)
+        self._changed()
+        return result
+
+    def _changed(self) -> None:
+        self._phases = None
+        self.generation += 1
+
+    def seal(self) -> None:
+        """End the initial load: validate hooks and phase order once for everything loaded."""
+        self.check_pending()
+        self._resolve()
+        self._sealed = True
+
+    def finalization_phases(self) -> tuple[Phase, ...]:
+        """The phases in the order the root runs them."""
+        if self._phases is None:
+            self._resolve()
+        assert self._phases is not None
+        return self._phases
+
+    def plugin_infos(self) -> list[PluginInfo]:
+        """Registered plugins with the distribution each came from."""
+        infos = []
+        for name, plugin in self.list_name_plugin():
+            if plugin is None:
+                continue
+            info = self._distinfo.get(name)
+            if info is None:
+                builtin = name in BUILTIN_PLUGINS
+                info = PluginInfo(
+                    name, "hyperfsdp" if builtin else "-", _version("hyperfsdp") if builtin else "-"
+                )
+            infos.append(info)
+        return infos
+
+    def _resolve(self) -> None:
+        owners: dict[str, str] = {}
+        phases: dict[str, Phase] = {}
+        for impl in self.hook.hyperfsdp_finalize_phases.get_hookimpls():
+            for phase in impl.function() or ():
+                if not isinstance(phase, Phase):
+                    raise PhaseOrderError(
+                        f"plugin {impl.plugin_name!r} returned {phase!r} from "
+                        "hyperfsdp_finalize_phases; expected hyperfsdp_core.plugins.Phase"
+                    )
+                if phase.name in phases:
+                    raise PhaseOrderError(
+                        f"phase {phase.name!r} is declared twice: by plugin "
+                        f"{owners[phase.name]!r} and by plugin {impl.plugin_name!r}"
+                    )
+                phases[phase.name] = phase
+                owners[phase.name] = impl.plugin_name
+        self._phases = order_phases(phases, owners)
+
+
+def order_phases(phases: dict[str, Phase], owners: dict[str, str]) -> tuple[Phase, ...]:
+    """Topologically order ``phases``; ties go to the smaller name.
+
+    :raises PhaseOrderError: on a cycle, an unknown name, or a phase placed before
+        the core's first phase; the message names the plugins involved.
+    """
+    graph: dict[str, set[str]] = {name: set() for name in phases}
+    for name, phase in phases.items():
+        for ref in phase.after + phase.before:
+            if ref not in phases:
+                raise PhaseOrderError(
+                    f"phase {name!r} of plugin {owners[name]!r} refers to unknown phase "
+                    f"{ref!r}; known phases: {sorted(phases)}. Install the plugin that "
+                    "declares it, or use after_if_present=/before_if_present="
+                )
+        for ref in phase.after + tuple(r for r in phase.after_if_present if r in phases):
+            graph[name].add(ref)
+        for ref in phase.before + tuple(r for r in phase.before_if_present if r in phases):
+            if ref == FIRST_PHASE:
+                raise PhaseOrderError(
+                    f"phase {name!r} of plugin {owners[name]!r} asks to run before "
+                    f"{FIRST_PHASE!r}, which always runs first"
+                )
+            graph[ref].add(name)
+        if FIRST_PHASE in phases and name != FIRST_PHASE:
+            graph[name].add(FIRST_PHASE)
+    sorter = TopologicalSorter(graph)
+    try:
+        sorter.prepare()
+    except CycleError as exc:
+        cycle = exc.args[1]
+        involved = ", ".join(f"{n!r} ({owners.get(n, '?')})" for n in dict.fromkeys(cycle))
+        raise PhaseOrderError(f"finalization phases form a cycle: {involved}") from None
+    ready: list[str] = list(sorter.get_ready())
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        name = heapq.heappop(ready)
+        order.append(phases[name])
+        sorter.done(name)
+        for nxt in sorter.get_ready():
+            heapq.heappush(ready, nxt)
+    return tuple(order)
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _load_entry_points(pm: HyperFSDPPluginManager) -> None:
+    for ep in sorted(
+        importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name
+    ):
+        if pm.get_plugin(ep.name) is not None or pm.is_blocked(ep.name):
+            continue
+        dist = getattr(ep, "dist", None)
+        dist_name = dist.metadata["Name"] if dist is not None else "unknown distribution"
+        dist_version = dist.version if dist is not None else "unknown"
+        try:
+            plugin = ep.load()
+        except Exception as exc:
+            raise PluginLoadError(
+                f"hyperfsdp plugin {ep.name!r} from distribution {dist_name!r} "
+                f"{dist_version} failed to import ({ep.value}): {type(exc).__name__}: {exc}. "
+                f"Reinstall or uninstall {dist_name!r}, or set {DISABLE_AUTOLOAD_ENV}=1 "
+                "to skip plugin autoloading."
+            ) from exc
+        pm.register(plugin, name=ep.name)
+        pm._distinfo[ep.name] = PluginInfo(ep.name, dist_name, dist_version)
+
+
+def build_plugin_manager(*, autoload: bool | None = None) -> HyperFSDPPluginManager:
+    """A new manager with the builtin plugins and (unless disabled) the entry-point plugins."""
+    pm = HyperFSDPPluginManager()
+    for module_name in BUILTIN_PLUGINS:
+        pm.register(importlib.import_module(module_name), name=module_name)
+    if autoload is None:
+        autoload = not os.environ.get(DISABLE_AUTOLOAD_ENV)
+    if autoload:
+        _load_entry_points(pm)
+    pm.seal()
+    return pm
+
+
+_lock = threading.Lock()
+_manager: HyperFSDPPluginManager | None = None
+
+
+def get_plugin_manager() -> HyperFSDPPluginManager:
+    """The process-wide plugin manager, built on first use."""
+    global _manager
+    if _manager is None:
+        with _lock:
+            if _manager is None:
+                _manager = build_plugin_manager()
+    return _manager
+
+
+def reset_plugin_manager() -> None:
+    """Forget the process-wide manager; the next :func:`get_plugin_manager` rebuilds it."""
+    global _manager
+    with _lock:
+        _manager = None

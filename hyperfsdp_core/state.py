@@ -1,0 +1,430 @@
+"""Per-unit hook state machine: forward/backward hooks, lazy init, root finalization.
+
+States (RFC section 3): ``IDLE -> PRE_FORWARD -> FORWARD -> PRE_BACKWARD -> BACKWARD``.
+Every change goes through :meth:`FSDPState._transition` against :data:`TRANSITIONS`,
+so re-entry (activation-checkpoint recomputation, several outputs, list units)
+is explicit and idempotent rather than scattered over flags.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .collectives import Comm
+from .context import RootContext
+from .group import ParamGroup
+from .plugins import get_plugin_manager
+
+
+class TrainingState(enum.Enum):
+    IDLE = "IDLE"
+    PRE_FORWARD = "PRE_FORWARD"
+    FORWARD = "FORWARD"
+    PRE_BACKWARD = "PRE_BACKWARD"
+    BACKWARD = "BACKWARD"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+S = TrainingState
+#: event -> {from state: to state}. A pair not listed is a bug and raises.
+TRANSITIONS: dict[str, dict[TrainingState, TrainingState]] = {
+    "forward_pre": {
+        S.IDLE: S.PRE_FORWARD,
+        S.FORWARD: S.PRE_FORWARD,  # reentrant recomputation, or a unit called twice
+        S.BACKWARD: S.PRE_FORWARD,  # called again after its backward in one iteration
+        S.PRE_FORWARD: S.PRE_FORWARD,  # next module of a list unit
+        S.PRE_BACKWARD: S.PRE_BACKWARD,  # non-reentrant recomputation: idempotent
+    },
+    "forward_post": {
+        S.PRE_FORWARD: S.FORWARD,
+        S.PRE_BACKWARD: S.PRE_BACKWARD,  # non-reentrant recomputation: idempotent
+    },
+    "backward_pre": {
+        S.FORWARD: S.PRE_BACKWARD,
+        S.BACKWARD: S.PRE_BACKWARD,  # outputs of a second call of the unit
+        S.PRE_FORWARD: S.PRE_BACKWARD,  # list unit whose forward is still open
+    },
+    "post_backward": {
+        S.PRE_BACKWARD: S.BACKWARD,
+        S.FORWARD: S.BACKWARD,  # gradients reached the inputs without an output hook
+        S.PRE_FORWARD: S.BACKWARD,  # list unit called piecewise (chunked loss)
+        S.IDLE: S.BACKWARD,  # not run: only reached to reduce unused params
+    },
+}
+
+
+class RegisterPostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward runs the unit's post-backward."""
+
+    @staticmethod
+    def forward(ctx, state: FSDPState, *inputs: torch.Tensor):  # type: ignore[override]
+        ctx.state = state
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+        ctx.state.post_backward()
+        return (None, *grads)
+
+
+def _grad_tensors(tree: Any) -> tuple[list[Any], Any, list[int]]:
+    leaves, spec = tree_flatten(tree)
+    idx = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+    return leaves, spec, idx
+
+
+class FSDPState:
+    """One ``fully_shard`` call: its modules, parameter group, hooks and options."""
+
+    def __init__(
+        self,
+        modules: tuple[nn.Module, ...],
+        group: ParamGroup | None,
+        device: torch.device,
+        reshard_after_forward: bool | int | None,
+    ) -> None:
+        self.modules = modules
+        self.group = group
+        self.device = device
+        self.ctx: RootContext | None = None
+        self.is_root: bool | None = None
+        self.fqn = ""
+        self.training_state = S.IDLE
+        # options (FSDPModule setters change them)
+        self.auto_reshard_after_forward = reshard_after_forward is None
+        self.reshard_after_forward: bool | int = (
+            True if reshard_after_forward is None else reshard_after_forward
+        )
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.requires_all_reduce = True
+        self.reduce_scatter_unused_params = False
+        self.unshard_in_backward = True
+        self.forward_prefetch: list[FSDPState] | None = None
+        self.backward_prefetch: list[FSDPState] | None = None
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.is_last_backward = True
+        self.post_optim_event = None
+        self.mp_policy = None  # set by fully_shard
+        self.offload_policy = None
+        self.comm: Comm | None = None  # set at lazy init (or by share_comm_ctx)
+        # resolved at lazy init from plugins
+        self.input_transforms: list[Callable] = []
+        self.output_transforms: list[Callable] = []
+        # per iteration
+        self.post_forward_indices: list[int] = []
+        self.modules_to_run: set[nn.Module] = set()
+        self.prefetched: bool = False
+        self.needs_reset = False  # a list unit's modules were converted (_apply)
+        for module in modules:
+            module._hyperfsdp_state = self  # type: ignore[attr-defined]
+            module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self.post_forward)
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _transition(self, event: str) -> TrainingState:
+        old = self.training_state
+        try:
+            new = TRANSITIONS[event][old]
+        except KeyError:
+            raise RuntimeError(
+                f"hyperfsdp: unit {self.fqn or '<root>'!r} got {event!r} in state {old}; "
+                "if a previous iteration raised, call reset_iter_state() on the root module"
+            ) from None
+        self.training_state = new
+        ctx = self.ctx
+        if ctx is not None and ctx.transition_log is not None:
+            ctx.record(self.fqn, event, str(old), str(new))
+        return new
+
+    def _log(self, event: str) -> None:
+        ctx = self.ctx
+        if ctx is not None and ctx.transition_log is not None:
+            ctx.record(self.fqn, event, str(self.training_state), str(self.training_state))
+
+    # -- lazy init ----------------------------------------------------------------------------
+    def lazy_init(self) -> RootContext:
+        """At the first forward: this unit becomes the root of every unit below it."""
+        if self.ctx is not None:
+            return self.ctx
+        if len(self.modules) != 1:
+            raise RuntimeError(
+                "hyperfsdp: the first forward must run through the root module, not a list "
+                "unit; apply fully_shard to the model's top module last"
+            )
+        root_module = self.modules[0]
+        states: list[FSDPState] = []
+        seen: set[int] = set()
+        module_names: dict[int, list[str]] = {}
+        for name, module in root_module.named_modules():
+            state = getattr(module, "_hyperfsdp_state", None)
+            if state is None:
+                continue
+            module_names.setdefault(id(state), []).append(name)
+            if id(state) in seen:
+                continue
+            if state is not self and state.ctx is not None:
+                raise RuntimeError(
+                    f"hyperfsdp: unit {name!r} was already initialized as part of another root; "
+                    "run the first forward through the top module"
+                )
+            seen.add(id(state))
+            states.append(state)
+        comm = self.comm or Comm(self.device)
+        ctx = RootContext(self, states, comm)
+        param_fqns = {id(p): n for n, p in root_module.named_parameters(remove_duplicate=False)}
+        pm = get_plugin_manager()
+        for state in states:
+            state.ctx = ctx
+            state.is_root = state is self
+            state.comm = state.comm or comm
+            state.fqn = ", ".join(module_names[id(state)])
+            if state.group is not None:
+                for p in state.group.params:
+                    p.fqn = param_fqns.get(id(p.sharded_param), p.fqn)
+                state.group.init_unsharded()
+                state.prepare_buckets()
+            state.input_transforms = [
+                f for f in pm.hook.hyperfsdp_forward_input_transform(state=state) if f
+            ]
+            state.output_transforms = [
+                f for f in pm.hook.hyperfsdp_forward_output_transform(state=state) if f
+            ]
+        if self.auto_reshard_after_forward:
+            self.reshard_after_forward = False
+        ctx.finalize_runs = tuple(phase.run for phase in pm.finalization_phases())
+        return ctx
+
+    def prepare_buckets(self) -> None:
+        """Resolve the plugins' per-bucket gradient reducers (at lazy init and after a rebuild)."""
+        assert self.group is not None
+        hook = get_plugin_manager().hook.hyperfsdp_gradient_reducers
+        for bucket in self.group.buckets:
+            bucket.reducers = [r for r in hook(bucket=bucket) if r]
+
+    # -- forward ------------------------------------------------------------------------------
+    def ensure_storage(self) -> None:
+        """Rebuild the sharded storage if a list unit's modules were converted since."""
+        if self.needs_reset:
+            from .api import reset_sharded_params
+
+            self.needs_reset = False
+            reset_sharded_params(self)
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.needs_reset:
+            self.ensure_storage()
+        ctx = self.ctx or self.lazy_init()
+        if self.training_state is S.PRE_BACKWARD:
+            # Non-reentrant recomputation inside backward: parameters stay unsharded.
+            self._transition("forward_pre")
+            if self.group is not None and not self.group.is_unsharded:
+                self.group.unshard(self.comm)
+                self.group.wait_for_unshard(self.comm)
+            return self._transform_inputs(args, kwargs)
+        if ctx.iter_forward_root is None and not ctx.in_backward:
+            ctx.iter_forward_root = self
+            self._root_pre_forward(ctx)
+        first_in_pass = self.training_state is not S.PRE_FORWARD
+        self._transition("forward_pre")
+        self.prefetched = False
+        if len(self.modules) > 1 and not self.modules_to_run:
+            self.modules_to_run.update(self.modules)
+        group = self.group
+        if group is not None:
+            group.unshard(self.comm)
+            if first_in_pass and not ctx.in_backward:
+                self._forward_prefetch(ctx)
+            group.wait_for_unshard(self.comm)
+        if first_in_pass and not ctx.in_backward:
+            ctx.forward_order.append(self)
+        if first_in_pass and group is not None and torch.is_grad_enabled():
+            args, kwargs = self._register_post_backward(args, kwargs)
+        return self._transform_inputs(args, kwargs)
+
+    def _root_pre_forward(self, ctx: RootContext) -> None:
+        event, self.post_optim_event = self.post_optim_event, None
+        comm = ctx.comm
+        if not comm.is_cpu:
+            # The optimizer step must finish before all-gathers read the sharded params.
+            if event is not None:
+                comm.all_gather_stream.wait_event(event)
+            else:
+                comm.all_gather_stream.wait_stream(
+                    torch.get_device_module(self.device.type).current_stream()
+                )
+
+    def _forward_prefetch(self, ctx: RootContext) -> None:
+        targets = self.forward_prefetch
+        if targets is None:
+            nxt = ctx.next_in_forward.get(self)
+            targets = [nxt] if nxt is not None else ()
+        for target in targets:
+            if target.group is not None and target.group.is_sharded:
+                target.group.unshard(target.comm)
+                target.prefetched = True
+
+    def _transform_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        for fn in self.input_transforms:
+            args, kwargs = fn(args, kwargs)
+        return args, kwargs
+
+    def _transform_output(self, output: Any) -> Any:
+        for fn in self.output_transforms:
+            output = fn(output)
+        return output
+
+    def _register_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        leaves, spec, idx = _grad_tensors((args, kwargs))
+        if not idx:
+            return args, kwargs
+        outs = RegisterPostBackward.apply(self, *(leaves[i] for i in idx))
+        for i, t in zip(idx, outs):
+            leaves[i] = t
+        return tree_unflatten(leaves, spec)
+
+    def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        ctx = self.ctx
+        assert ctx is not None
+        if self.training_state is S.PRE_BACKWARD:
+            self._transition("forward_post")
+            return self._transform_output(output)
+        if len(self.modules) > 1:
+            self.modules_to_run.discard(module)
+            if self.modules_to_run:  # the rest of the list unit has not run yet
+                return self._transform_output(output)
+        self._complete_forward(ctx)
+        output = self._register_pre_backward(output)
+        if ctx.iter_forward_root is self:
+            self._root_post_forward(ctx)
+        return self._transform_output(output)
+
+    def _complete_forward(self, ctx: RootContext) -> None:
+        self._transition("forward_post")
+        if self.group is not None and not ctx.in_backward:
+            if self.reshard_after_forward:
+                self.group.reshard()
+            if torch.is_grad_enabled():  # a backward may follow: remember the order
+                self.post_forward_indices.append(len(ctx.post_forward_order))
+                ctx.post_forward_order.append(self)
+
+    def _root_post_forward(self, ctx: RootContext) -> None:
+        for state in ctx.states:
+            if state is self:
+                continue
+            if state.modules_to_run and state.training_state is S.PRE_FORWARD:
+                # A list unit whose forward ran only some of its modules (e.g. norm but
+                # not the chunked head): finish its forward now.
+                state.modules_to_run.clear()
+                state._complete_forward(ctx)
+            elif state.prefetched:
+                state.prefetched = False
+                state.group.reshard()  # prefetched, but not run this iteration
+        ctx.end_forward()
+
+    def _register_pre_backward(self, output: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return output
+        leaves, _, idx = _grad_tensors(output)
+        for i in idx:
+            leaves[i].register_hook(self.pre_backward)
+        return output
+
+    # -- backward -----------------------------------------------------------------------------
+    def pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        if self.training_state is S.PRE_BACKWARD:
+            return grad
+        ctx = self.ctx
+        assert ctx is not None
+        self._transition("backward_pre")
+        ctx.begin_backward()
+        group = self.group
+        if group is not None and self.unshard_in_backward:
+            group.unshard(self.comm)
+        self._backward_prefetch(ctx)
+        if group is not None and self.unshard_in_backward:
+            group.wait_for_unshard(self.comm)
+        return grad
+
+    def _backward_prefetch(self, ctx: RootContext) -> None:
+        targets = self.backward_prefetch
+        if targets is None:
+            if not self.post_forward_indices:
+                return
+            index = self.post_forward_indices.pop()
+            if index == 0:
+                return
+            targets = [ctx.post_forward_order[index - 1]]
+        for target in targets:
+            if target.group is not None and target.unshard_in_backward and target is not self:
+                target.group.unshard(target.comm)
+
+    def post_backward(self) -> None:
+        """Reduce this unit's gradients and reshard; idempotent within one backward."""
+        state = self.training_state
+        if state is S.BACKWARD:
+            return
+        group = self.group
+        if state is S.IDLE and not (group is not None and self.reduce_scatter_unused_params):
+            return
+        self._transition("post_backward")
+        if group is None:
+            return
+        ctx = self.ctx
+        assert ctx is not None
+        if self.requires_gradient_sync:
+            ctx.drain_reductions()  # the previous unit's reduce-scatter ran under our backward
+            ctx.add_reductions(
+                group.reduce(self.comm, include_unused=self.reduce_scatter_unused_params)
+            )
+        else:
+            group.keep_grads()
+        if self.reshard_after_backward:
+            group.reshard()
+
+    def root_post_backward(self) -> None:
+        """End-of-backward callback of the root: finish every unit, then run the phases."""
+        ctx = self.ctx
+        assert ctx is not None
+        states = ctx.states
+        logging_on = ctx.transition_log is not None
+        if logging_on:
+            for state in states:
+                state._log("root_backward_enter")
+        for state in reversed(states):
+            state.post_backward()
+        if self.is_last_backward:
+            for run in ctx.finalize_runs:
+                run(ctx)
+        for state in states:
+            if logging_on:
+                state._log("root_backward_exit")
+            state.training_state = S.IDLE
+            state.modules_to_run.clear()
+        ctx.end_backward(self.is_last_backward)
+
+    # -- recovery -----------------------------------------------------------------------------
+    def reset_iter_state(self) -> None:
+        ctx = self.ctx
+        if ctx is None:
+            return
+        if not self.is_root:
+            raise RuntimeError("reset_iter_state() must be called on the root module")
+        ctx.reset()
+        for state in ctx.states:
+            state.training_state = S.IDLE
+            state.modules_to_run.clear()
+            state.prefetched = False
+            if state.group is not None:
+                state.group.reshard()
+                for p in state.group.params:
+                    p.clear_iteration_grads()

@@ -1,0 +1,251 @@
+"""A pool of persistent rank processes per world size, driven over pipes."""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import os
+import pickle
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing import connection, get_context
+from typing import Any
+
+DEFAULT_TIMEOUT = float(os.environ.get("HYPERFSDP_TEST_TIMEOUT", "180"))
+STARTUP_TIMEOUT = 300.0
+#: After one rank fails, how long the others get to finish before the pool is rebuilt.
+FAILURE_GRACE = 3.0
+
+
+class RankFailure(AssertionError):
+    """A rank raised; the message carries that rank's traceback."""
+
+
+class RankTimeout(AssertionError):
+    """Some ranks did not finish within the timeout; the pool was rebuilt."""
+
+
+def current_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+# -- worker side ---------------------------------------------------------------------------------
+
+
+def _worker_main(rank: int, world_size: int, store_path: str, conn, pg_timeout: float) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ["HYPERFSDP_TEST_RANK"] = str(rank)
+    import warnings
+
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout)
+    )
+    conn.send(("ready", rank))
+    baseline_env = dict(os.environ)
+    while True:
+        try:
+            header = conn.recv()
+        except EOFError:
+            break
+        if header is None:
+            break
+        module_name, path, qualname, sys_path = header
+        payload = conn.recv_bytes()
+        try:
+            for entry in sys_path:
+                if entry not in sys.path:
+                    sys.path.append(entry)
+            fn = _resolve(module_name, path, qualname)
+            args, kwargs = pickle.loads(payload)
+            _reset_process_state(torch)
+            result = fn(*args, **kwargs)
+            reply = ("ok", result)
+        except BaseException as exc:  # report everything, including assertion errors
+            reply = ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+        finally:
+            os.environ.clear()
+            os.environ.update(baseline_env)
+        try:
+            data = pickle.dumps(reply)
+        except Exception as exc:
+            data = pickle.dumps(("error", f"result not picklable: {exc!r}", ""))
+        conn.send_bytes(data)
+    dist.destroy_process_group()
+
+
+def _resolve(module_name: str, path: str | None, qualname: str) -> Callable:
+    module = sys.modules.get(module_name)
+    if module is None:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            if path is None:
+                raise
+            spec = importlib.util.spec_from_file_location(module_name, path)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[module_name] = module
+            spec.loader.exec_module(module)
+    obj: Any = module
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _reset_process_state(torch) -> None:
+    import gc
+
+    gc.collect()
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.float32)
+    from hyperfsdp_core.plugins import reset_plugin_manager
+
+    reset_plugin_manager()
+
+
+# -- driver side -----------------------------------------------------------------------------------
+
+
+class RankPool:
+    """``world_size`` processes with a shared gloo process group, kept across tests."""
+
+    def __init__(self, world_size: int, pg_timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.world_size = world_size
+        ctx = get_context("spawn")
+        self._tmp = tempfile.TemporaryDirectory(prefix="hyperfsdp-pool-")
+        store_path = os.path.join(self._tmp.name, "store")
+        self.conns, self.procs = [], []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(rank, world_size, store_path, child, pg_timeout),
+                daemon=True,
+                name=f"hyperfsdp-rank{rank}-of-{world_size}",
+            )
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        for rank, conn in enumerate(self.conns):
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
+                self.close()
+                raise RankTimeout(
+                    f"rank {rank} of {world_size} did not start within {STARTUP_TIMEOUT:.0f}s"
+                )
+            conn.recv()
+
+    def run(self, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
+        module = sys.modules.get(fn.__module__)
+        header = (fn.__module__, getattr(module, "__file__", None), fn.__qualname__, list(sys.path))
+        payload = pickle.dumps((args, kwargs))
+        for conn in self.conns:
+            conn.send(header)
+            conn.send_bytes(payload)
+        results: dict[int, tuple] = {}
+        pending = dict(enumerate(self.conns))
+        deadline = time.monotonic() + timeout
+        failed_at = None
+        while pending:
+            now = time.monotonic()
+            limit = deadline if failed_at is None else min(deadline, failed_at + FAILURE_GRACE)
+            if now >= limit:
+                break
+            ready = connection.wait(list(pending.values()), timeout=limit - now)
+            for conn in ready:
+                rank = self.conns.index(conn)
+                try:
+                    results[rank] = pickle.loads(conn.recv_bytes())
+                except (EOFError, OSError):
+                    code = self.procs[rank].exitcode
+                    results[rank] = ("error", f"rank {rank} process died (exit code {code})", "")
+                del pending[rank]
+                if results[rank][0] == "error" and failed_at is None:
+                    failed_at = time.monotonic()
+        errors = sorted((r, res) for r, res in results.items() if res[0] == "error")
+        if pending:
+            self.close()  # some ranks are stuck: the pool cannot be reused
+        if errors:
+            rank, (_, summary, tb) = errors[0]
+            others = "".join(f"\n(rank {r} also failed: {res[1]})" for r, res in errors[1:])
+            stuck = f"\n(ranks {sorted(pending)} did not finish)" if pending else ""
+            raise RankFailure(
+                f"rank {rank} of {self.world_size} failed: {summary}\n{tb}{others}{stuck}"
+            )
+        if pending:
+            raise RankTimeout(
+                f"ranks {sorted(pending)} of {self.world_size} did not finish within {timeout:.0f}s "
+                "(hung?); the rank processes were killed and will be restarted"
+            )
+        return [results[r][1] for r in range(self.world_size)]
+
+    @property
+    def alive(self) -> bool:
+        return bool(self.procs) and all(p.is_alive() for p in self.procs)
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+        for proc in self.procs:
+            proc.join(timeout=2)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        for conn in self.conns:
+            conn.close()
+        self.conns, self.procs = [], []
+        self._tmp.cleanup()
+
+
+_pools: dict[int, RankPool] = {}
+
+
+def run_on_ranks(
+    world_size: int, fn: Callable, *args: Any, timeout: float | None = None, **kwargs: Any
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the per-rank results.
+
+    ``fn`` must be a module-level function (it is imported by name in the rank
+    processes), and the arguments and results must be picklable. A rank's exception
+    becomes a :class:`RankFailure` carrying its traceback; ranks still running after
+    ``timeout`` seconds raise :class:`RankTimeout` and the processes are restarted.
+    """
+    if world_size < 1:
+        raise ValueError("world_size must be >= 1")
+    timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+    pool = _pools.get(world_size)
+    if pool is None or not pool.alive:
+        if pool is not None:
+            pool.close()
+        pool = _pools[world_size] = RankPool(world_size)
+    try:
+        return pool.run(fn, args, kwargs, timeout)
+    finally:
+        if not pool.alive or not pool.conns:
+            _pools.pop(world_size, None)
+
+
+def close_pools() -> None:
+    """Stop every rank process (called at the end of a pytest session and at exit)."""
+    for pool in list(_pools.values()):
+        pool.close()
+    _pools.clear()
+
+
+atexit.register(close_pools)
