@@ -99,7 +99,7 @@ def fully_shard(
         hp.reduce_dtype = reduce_dtype or hp.param_dtype
         locals_by_param[id(hp)] = _initial_local(hp, param, device)
         hsdp_params.append(hp)
-        _RETIRED[param] = fqn
+        _RETIRED.add(param, fqn)
     _move_managed_buffers(modules, sub_states, device)
     group = ParamGroup(hsdp_params) if hsdp_params else None
     if group is not None:
@@ -181,9 +181,10 @@ def _collect_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]):
         if state is not None and prefix is not None and module not in modules:
             if state not in sub_states:
                 sub_states.append(state)
-                for m in state.modules:
-                    for n, p in m.named_parameters(remove_duplicate=False):
-                        sub_params.setdefault(id(p), f"{prefix}{n}")
+                for hp in state.group.params if state.group is not None else ():
+                    sub_params[id(hp.sharded_param)] = sub_params[hp.orig_param_id] = (
+                        f"{prefix}{hp.fqn}"
+                    )
             return
         for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
             if param is None or param in ignored:
@@ -198,9 +199,10 @@ def _collect_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]):
 
     for i, m in enumerate(modules):
         visit(m, f"[{i}]." if multi else "")
-    shared = [(fqn, sub_params[id(p)]) for fqn, p in named if id(p) in sub_params]
+    shared = [(fqn, sub_params.get(id(p)) or _RETIRED.get(p)) for fqn, p in named]
+    shared = [(fqn, other) for fqn, other in shared if other is not None]
     if shared:
-        pairs = "; ".join(f"{a!r} is also {b!r}" for a, b in shared)
+        pairs = "; ".join(f"{a!r} is also {b!r} of another unit" for a, b in shared)
         raise ValueError(
             f"fully_shard: parameters shared with a submodule's fully_shard unit ({pairs}). "
             "A parameter must belong to one unit: put the modules that share it in one "
@@ -337,7 +339,26 @@ def reset_sharded_params(state: FSDPState) -> None:
 
 # -- optimizer built before fully_shard ------------------------------------------------------------
 
-_RETIRED: weakref.WeakKeyDictionary[nn.Parameter, str] = weakref.WeakKeyDictionary()
+
+class _RetiredParams:
+    """Parameters fully_shard replaced, by identity (weakly held), with their FQN."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[weakref.ref, str]] = {}
+
+    def add(self, param: nn.Parameter, fqn: str) -> None:
+        key = id(param)
+        self._entries[key] = (weakref.ref(param, lambda _, k=key: self._entries.pop(k, None)), fqn)
+
+    def get(self, param: Any) -> str | None:
+        entry = self._entries.get(id(param))
+        return entry[1] if entry is not None and entry[0]() is param else None
+
+    def __bool__(self) -> bool:
+        return bool(self._entries)
+
+
+_RETIRED = _RetiredParams()
 _optimizer_hook_installed = False
 
 

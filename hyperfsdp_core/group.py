@@ -44,6 +44,20 @@ def _alloc(t: torch.Tensor) -> None:
         t.untyped_storage().resize_(nbytes)
 
 
+def _standalone(view: torch.Tensor) -> torch.Tensor:
+    """The same memory as ``view``, as a tensor with its own storage starting at it.
+
+    Members' local shards live inside their bucket's flat buffer, mostly at a nonzero
+    storage offset. A DTensor wrapping such a view reports a nonzero ``data_ptr()``
+    and then fails ``copy.deepcopy`` (so ``deepcopy(model.state_dict())`` would), and
+    ``torch.save`` would write the whole flat buffer for every shard. DLPack gives a
+    zero-offset tensor on the same memory that keeps the buffer alive.
+    """
+    if view.device.type == "meta":
+        return view
+    return torch.from_dlpack(view)
+
+
 def _alias(base: torch.Tensor, offset: int, shape: tuple[int, ...], stride) -> torch.Tensor:
     """A tensor on ``base``'s storage with its own version counter.
 
@@ -189,7 +203,7 @@ class Bucket:
                         p.layout.actual_len,
                         p.layout.padding_numel // p.layout.row_numel,
                     ).zero_()
-            p.install_sharded(actual)
+            p.install_sharded(_standalone(actual))
         self.sharded_flat = flat
         self.unsharded_flat = None
         self.state = ShardedState.SHARDED

@@ -56,6 +56,7 @@ class HSDPParam:
         shard_dim: int,
     ) -> None:
         self.fqn = fqn
+        self.orig_param_id = id(param)  # identity of the Parameter fully_shard replaced
         self.module_infos = module_infos
         self.mesh_info = mesh_info
         self.shard_dim = shard_dim

@@ -31,9 +31,9 @@ class PlanRow:
     tp_replicate_axis: str | None
 
     @classmethod
-    def of(cls, p: HSDPParam, owner: str) -> PlanRow:
+    def of(cls, p: HSDPParam, owner: str, fqn: str) -> PlanRow:
         return cls(
-            fqn=p.fqn,
+            fqn=fqn,
             global_shape=p.global_shape,
             local_shape=p.layout.actual_shape,
             padded_shape=p.layout.padded_shape,
@@ -89,6 +89,10 @@ class ShardingPlan(tuple[PlanRow, ...]):
 
 
 def sharding_plan(module) -> ShardingPlan:
+    """Rows for every managed parameter under ``module``, FQNs relative to it."""
+    named = list(module.named_parameters(remove_duplicate=False))
+    names = {id(p): n for n, p in named}
+    order = {n: i for i, (n, _) in enumerate(named)}
     rows: list[PlanRow] = []
     seen: set[int] = set()
     for sub in module.modules():
@@ -100,5 +104,8 @@ def sharding_plan(module) -> ShardingPlan:
             continue
         for bucket in state.group.buckets:
             owner = str(bucket.storage_owner)
-            rows.extend(PlanRow.of(p, owner) for p in bucket.params)
+            for p in bucket.params:
+                fqn = names.get(id(p.sharded_param)) or names.get(id(p.unsharded_param), p.fqn)
+                rows.append(PlanRow.of(p, owner, fqn))
+    rows.sort(key=lambda row: order.get(row.fqn, len(order)))
     return ShardingPlan(rows)
