@@ -51,9 +51,11 @@ class RootContext:
         """Start recording ``(unit_fqn, event, from_state, to_state)``; returns the list."""
         if self.transition_log is None:
             self.transition_log = []
-        if os.environ.get(LOG_TRANSITIONS_ENV) and not transition_logger.handlers:
-            transition_logger.addHandler(logging.StreamHandler())
-            transition_logger.setLevel(logging.INFO)
+        if os.environ.get(LOG_TRANSITIONS_ENV):
+            if not transition_logger.isEnabledFor(logging.INFO):
+                transition_logger.setLevel(logging.INFO)
+            if not transition_logger.hasHandlers():
+                transition_logger.addHandler(logging.StreamHandler())
         return self.transition_log
 
     def record(self, fqn: str, event: str, old: str, new: str) -> None:

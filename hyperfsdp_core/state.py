@@ -242,8 +242,9 @@ class FSDPState:
         group = self.group
         if group is not None:
             group.unshard(self.comm)
-            if first_in_pass and not ctx.in_backward:
-                self._forward_prefetch(ctx)
+        if first_in_pass and not ctx.in_backward:
+            self._forward_prefetch(ctx)  # overlaps the next unit's all-gather with our compute
+        if group is not None:
             group.wait_for_unshard(self.comm)
         if first_in_pass and not ctx.in_backward:
             ctx.forward_order.append(self)

@@ -102,6 +102,7 @@ class Transformer(nn.Module):
     ) -> None:
         super().__init__()
         self.tok_embeddings = nn.Embedding(vocab, dim)
+        nn.init.normal_(self.tok_embeddings.weight, std=dim**-0.5)  # O(1) logits when tied
         self.layers = nn.ModuleList(Block(dim, n_heads, hidden) for _ in range(n_layers))
         self.norm = RMSNorm(dim)
         self.output = nn.Linear(dim, vocab, bias=False)
