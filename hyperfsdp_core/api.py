@@ -104,6 +104,9 @@ def fully_shard(
     group = ParamGroup(hsdp_params) if hsdp_params else None
     if group is not None:
         group.build_sharded(locals_by_param, _storage_device(locals_by_param.values(), device))
+        if not isinstance(reshard_after_forward, bool) and isinstance(reshard_after_forward, int):
+            group.post_forward_size = reshard_after_forward
+            group.apply_settings()
     state = FSDPState(modules, group, device, reshard_after_forward)
     state.mp_policy = mp_policy
     state.offload_policy = offload_policy
@@ -323,11 +326,7 @@ def reset_sharded_params(state: FSDPState) -> None:
                 p.param_dtype = p.reduce_dtype = local.dtype
         locals_by_param[id(p)] = local.detach()
     device = _storage_device(locals_by_param.values(), next(iter(locals_by_param.values())).device)
-    divide = [b.divide_factor for b in group.buckets]
-    group.__init__(group.params)  # re-bucket: dtypes may have changed
-    if len(divide) == len(group.buckets):
-        for b, f in zip(group.buckets, divide):
-            b.divide_factor = f
+    group.rebucket()  # dtypes may have changed
     group.build_sharded(locals_by_param, device)
     if state.ctx is not None:
         group.init_unsharded()

@@ -9,20 +9,23 @@ from collections.abc import Sequence
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
-    from .plugins import get_plugin_manager
+    from .plugins import DISABLE_AUTOLOAD_ENV, PluginLoadError, get_plugin_manager
 
-    pm = get_plugin_manager()
+    try:
+        pm = get_plugin_manager()
+    except PluginLoadError as exc:
+        print(f"hyperfsdp plugins: {exc}", file=sys.stderr)
+        return 1
     infos = pm.plugin_infos()
     width = max(len(i.name) for i in infos)
     dwidth = max(len(i.distribution) for i in infos)
-    print("installed plugins:")
+    print("installed plugins (name, distribution, version):")
     for info in infos:
         print(f"  {info.name.ljust(width)}  {info.distribution.ljust(dwidth)}  {info.version}")
+    if not pm.autoloaded:
+        print(f"  (entry-point plugins not loaded: {DISABLE_AUTOLOAD_ENV} is set)")
     print("finalization order (run by the root after every backward):")
-    owners = {}
-    for impl in pm.hook.hyperfsdp_finalize_phases.get_hookimpls():
-        for phase in impl.function() or ():
-            owners[phase.name] = impl.plugin_name
+    owners = pm.phase_owners()
     for i, phase in enumerate(pm.finalization_phases(), 1):
         print(f"  {i}. {phase.name}  ({owners.get(phase.name, '?')})")
     return 0

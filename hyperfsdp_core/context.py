@@ -116,4 +116,7 @@ def finish_reduction(red: Reduction, comm: Comm) -> None:
     for reducer in red.bucket.reducers:
         reducer(red)
     if not red.deferred:
+        hook = red.bucket.all_reduce_hook
+        if hook is not None:
+            hook(red.output)
         red.apply()

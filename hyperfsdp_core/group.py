@@ -163,6 +163,11 @@ class Bucket:
         self._staging: torch.Tensor | None = None
         self._cast_in: torch.Tensor | None = None
         self.reducers: list[Callable[[Reduction], None]] = []
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        # reshard_after_forward=<int>: the smaller group, and this rank's part of the
+        # unsharded buffer kept between forward and backward
+        self.post_forward: MeshInfo | None = None
+        self._post_forward_shard: torch.Tensor | None = None
         self.divide_factor: float = float(self.mesh_info.dp_size)
         self._reduce_key: tuple[bool, ...] | None = None
         self._reduce_plan: tuple[list[HSDPParam], list[Segment], list[_PackPlan], int] | None = None
@@ -255,6 +260,13 @@ class Bucket:
             self.pending = _READY
             return
         _alloc(flat)
+        kept = self._post_forward_shard
+        if kept is not None:
+            # gather over the smaller group straight into the (param-major) buffer
+            self._post_forward_shard = None
+            self.pending = comm.all_gather(flat, kept, self.post_forward.shard_group)
+            self.pending.keepalive = kept
+            return
         inp = self.sharded_flat
         if self.needs_cast:
             self._cast_in = comm.buffer(self.total, self.param_dtype)
@@ -308,7 +320,21 @@ class Bucket:
             for seg, out in zip(dim0_src, dim0_out):
                 out.copy_(src[:, seg.offset : seg.offset + seg.numel])
 
+    def reshard_post_forward(self) -> None:
+        """Reshard, keeping this rank's 1/size of the unsharded buffer for backward."""
+        info = self.post_forward
+        if info is None or self.state is not ShardedState.UNSHARDED or not self.needs_all_gather:
+            self.reshard()
+            return
+        flat = self.unsharded_flat
+        assert flat is not None
+        part = flat.numel() // info.shard_size
+        kept = flat[info.shard_rank * part : (info.shard_rank + 1) * part].clone()
+        self.reshard()
+        self._post_forward_shard = kept
+
     def reshard(self) -> None:
+        self._post_forward_shard = None
         if self.pending is not None:  # an unshard nobody waited for (e.g. a prefetch)
             self.pending.abandon()
             self.pending = None
@@ -401,14 +427,37 @@ _READY = _Ready()
 
 
 class ParamGroup:
-    """All managed parameters of one ``fully_shard`` call, in buckets."""
+    """All managed parameters of one ``fully_shard`` call, in buckets.
+
+    Unit-level settings (divide factor, post-forward group size, all-reduce hook) live
+    here and are applied to every bucket, also when the buckets are rebuilt.
+    """
 
     def __init__(self, params: list[HSDPParam]) -> None:
         self.params = params
+        self.divide_factor: float | None = None
+        self.post_forward_size: int | None = None
+        self.kept_versions: tuple[int, ...] | None = None
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.rebucket()
+
+    def rebucket(self) -> None:
+        """(Re)group the parameters by topology and dtypes (after dtype changes, too)."""
         by_key: dict[tuple, list[HSDPParam]] = {}
-        for p in params:
+        for p in self.params:
             by_key.setdefault(Bucket.key(p), []).append(p)
         self.buckets = [Bucket(members) for members in by_key.values()]
+        self.apply_settings()
+
+    def apply_settings(self) -> None:
+        from .mesh_info import post_forward_mesh_info
+
+        for b in self.buckets:
+            if self.divide_factor is not None:
+                b.divide_factor = self.divide_factor
+            b.all_reduce_hook = self.all_reduce_hook
+            if self.post_forward_size is not None and b.needs_all_gather:
+                b.post_forward = post_forward_mesh_info(b.mesh_info, self.post_forward_size)
 
     def build_sharded(self, locals_by_param: dict[int, torch.Tensor], device: torch.device) -> None:
         for b in self.buckets:
@@ -426,6 +475,29 @@ class ParamGroup:
     def is_sharded(self) -> bool:
         return all(b.state is ShardedState.SHARDED and b.pending is None for b in self.buckets)
 
+    def remember_versions(self) -> None:
+        """Note the sharded parameters' versions while the unsharded ones stay registered.
+
+        Parameters kept unsharded across an optimizer step (``set_reshard_after_backward
+        (False)``, an explicit ``unshard()``) would be stale; :meth:`drop_if_stale` finds out.
+        """
+        # the DTensor's own version counter: in-place ops on it bump it (its local tensor's
+        # counter is not bumped by DTensor's dispatch)
+        self.kept_versions = tuple(p.sharded_param._version for p in self.params)
+
+    def drop_if_stale(self) -> None:
+        """Reshard if a sharded parameter changed in place since :meth:`remember_versions`."""
+        kept, self.kept_versions = self.kept_versions, None
+        if kept is None or not self.is_unsharded:
+            return
+        now = tuple(p.sharded_param._version for p in self.params)
+        if now != kept:
+            self.reshard()
+
+    @property
+    def has_pending(self) -> bool:
+        return any(b.pending is not None for b in self.buckets)
+
     def unshard(self, comm: Comm) -> None:
         for b in self.buckets:
             b.start_unshard(comm)
@@ -437,6 +509,10 @@ class ParamGroup:
     def reshard(self) -> None:
         for b in self.buckets:
             b.reshard()
+
+    def reshard_post_forward(self) -> None:
+        for b in self.buckets:
+            b.reshard_post_forward()
 
     def reduce(self, comm: Comm, *, include_unused: bool) -> list[Reduction]:
         out = []

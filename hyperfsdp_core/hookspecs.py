@@ -108,11 +108,14 @@ def hyperfsdp_forward_output_transform(state: FSDPState) -> Callable[[Any], Any]
 def hyperfsdp_gradient_reducers(bucket: Bucket) -> Callable[..., Any] | None:
     """*lazy-init* Return a reducer for a bucket's reduced gradient, or ``None``.
 
-    The reducer is called in post-backward as ``reducer(reduction)`` with the
+    The reducer is called as ``reducer(reduction)`` with the
     :class:`~hyperfsdp_core.group.Reduction` that the core's reduce-scatter produced
-    (or, for buckets that do not reduce-scatter, the packed local gradient). It may
-    take the reduction over (for example to all-reduce it over a replicate group
-    and apply it later in a finalization phase) by calling ``reduction.defer()``.
+    (or, for buckets that do not reduce-scatter, the packed local gradient), once it
+    has completed and before the core adds it to the sharded parameters' gradients:
+    in the next unit's post-backward or in the ``core.reduce_scatter_drain`` phase.
+    It may take the reduction over (for example to all-reduce it over a replicate
+    group and apply it later in a finalization phase) by calling ``reduction.defer()``.
+    Called again for buckets rebuilt after lazy init (``load_state_dict(assign=True)``).
     """
 
 
@@ -127,8 +130,12 @@ def hyperfsdp_finalize_phases() -> Sequence[Phase]:
 
     A :class:`~hyperfsdp_core.plugins.Phase` names itself and the phases it runs
     ``after``/``before``. The core resolves one order when plugins are registered
-    (topological, ties broken by name); cycles and unknown names are errors. The
-    core's reduce-scatter drain (``core.reduce_scatter_drain``) always runs first.
+    (topological, ties broken by name); cycles and unknown names are errors, and the
+    offending registration is rolled back. The core's reduce-scatter drain
+    (``core.reduce_scatter_drain``) always runs first. A root captures the order at its
+    lazy init; each ``run(ctx)`` then runs at the end of every backward that has
+    ``is_last_backward`` set, with the root's
+    :class:`~hyperfsdp_core.context.RootContext`.
     """
 
 

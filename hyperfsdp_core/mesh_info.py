@@ -117,3 +117,35 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
     if module is not None and hasattr(module, "current_device"):
         return torch.device(mesh.device_type, module.current_device())
     return torch.device(mesh.device_type)
+
+
+_post_forward_infos: dict[tuple, MeshInfo] = {}
+
+
+def post_forward_mesh_info(info: MeshInfo, size: int) -> MeshInfo:
+    """The group a parameter is resharded to after forward when ``reshard_after_forward=size``.
+
+    Splits every shard group of ``info``'s mesh into consecutive blocks of ``size`` ranks
+    (for example the ranks of one node). Collective: every rank must call it in the
+    same order (``fully_shard`` does). Created groups are cached per topology.
+    """
+    key = (info.key, size)
+    cached = _post_forward_infos.get(key)
+    if cached is not None:
+        return cached
+    assert info.shard_mesh_dim is not None
+    ranks = info.mesh.mesh.movedim(info.shard_mesh_dim, -1).reshape(-1, info.shard_size)
+    blocks = [row[i : i + size].tolist() for row in ranks for i in range(0, info.shard_size, size)]
+    group, _ = dist.new_subgroups_by_enumeration(blocks)
+    me = dist.get_rank()
+    rank = next(block.index(me) for block in blocks if me in block)
+    result = MeshInfo(
+        mesh=info.mesh,
+        shard_group=group,
+        shard_size=size,
+        shard_rank=rank,
+        shard_mesh_dim=info.shard_mesh_dim,
+        kind=info.kind,
+    )
+    _post_forward_infos[key] = result
+    return result

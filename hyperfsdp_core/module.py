@@ -30,6 +30,7 @@ class UnshardHandle:
         state, self._state = self._state, None
         if state is not None and state.group is not None:
             state.group.wait_for_unshard(state.comm)
+            state.group.remember_versions()
 
 
 class FSDPModule:
@@ -80,6 +81,7 @@ class FSDPModule:
         if async_op:
             return handle
         handle.wait()
+        group.remember_versions()
         return None
 
     def reshard(self) -> None:
@@ -138,8 +140,12 @@ class FSDPModule:
             raise ValueError(f"gradient divide factor must be positive, got {factor}")
         group = self._fsdp_state().group
         if group is not None:
-            for bucket in group.buckets:
-                bucket.divide_factor = float(factor)
+            group.divide_factor = float(factor)
+            group.apply_settings()
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated FSDP2 spelling of :meth:`set_gradient_divide_factor`."""
+        self.set_gradient_divide_factor(factor)
 
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
@@ -155,7 +161,18 @@ class FSDPModule:
         self._fsdp_state().post_optim_event = event
 
     def set_all_reduce_hook(self, hook, *, stream=None) -> None:
-        self._fsdp_state().all_reduce_hook = hook
+        """Call ``hook(reduce_output)`` on each reduced gradient before it is applied.
+
+        ``reduce_output`` is this rank's flat reduce-scatter output (pure FSDP) or the
+        all-reduce output (HSDP); the hook may modify it in place (e.g. all-reduce it
+        over a custom group). ``stream`` is accepted for FSDP2 compatibility and used
+        on accelerators only.
+        """
+        state = self._fsdp_state()
+        state.all_reduce_hook = hook
+        if state.group is not None:
+            state.group.all_reduce_hook = hook
+            state.group.apply_settings()
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Reductions always use SUM here (scaling is applied around it); kept for FSDP2 parity."""

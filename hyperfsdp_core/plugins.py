@@ -82,6 +82,9 @@ class HyperFSDPPluginManager(pluggy.PluginManager):
         self.add_hookspecs(hookspecs)
         self._sealed = False
         self._phases: tuple[Phase, ...] | None = None
+        self._phase_owners: dict[str, str] = {}
+        #: Whether entry-point plugins were loaded (see :data:`DISABLE_AUTOLOAD_ENV`).
+        self.autoloaded = False
         self._distinfo: dict[str, PluginInfo] = {}
         #: Incremented on every change, so caches built from hooks can tell they are stale.
         self.generation = 0
@@ -99,7 +102,11 @@ class HyperFSDPPluginManager(pluggy.PluginManager):
         return plugin_name
 
     def unregister(self, plugin: object | None = None, name: str | None = None) -> Any:
+        if name is None and plugin is not None:
+            name = self.get_name(plugin)
         result = super().unregister(plugin, name)
+        if name is not None:
+            self._distinfo.pop(name, None)  # a later plugin of that name has its own origin
         self._changed()
         return result
 
@@ -119,6 +126,11 @@ class HyperFSDPPluginManager(pluggy.PluginManager):
             self._resolve()
         assert self._phases is not None
         return self._phases
+
+    def phase_owners(self) -> dict[str, str]:
+        """Phase name -> name of the plugin that declares it."""
+        self.finalization_phases()
+        return dict(self._phase_owners)
 
     def plugin_infos(self) -> list[PluginInfo]:
         """Registered plugins with the distribution each came from."""
@@ -153,6 +165,7 @@ class HyperFSDPPluginManager(pluggy.PluginManager):
                 phases[phase.name] = phase
                 owners[phase.name] = impl.plugin_name
         self._phases = order_phases(phases, owners)
+        self._phase_owners = owners
 
 
 def order_phases(phases: dict[str, Phase], owners: dict[str, str]) -> tuple[Phase, ...]:
@@ -238,6 +251,7 @@ def build_plugin_manager(*, autoload: bool | None = None) -> HyperFSDPPluginMana
         autoload = not os.environ.get(DISABLE_AUTOLOAD_ENV)
     if autoload:
         _load_entry_points(pm)
+        pm.autoloaded = True
     pm.seal()
     return pm
 

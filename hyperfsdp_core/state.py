@@ -241,6 +241,8 @@ class FSDPState:
             self.modules_to_run.update(self.modules)
         group = self.group
         if group is not None:
+            if group.kept_versions is not None:
+                group.drop_if_stale()
             group.unshard(self.comm)
         if first_in_pass and not ctx.in_backward:
             self._forward_prefetch(ctx)  # overlaps the next unit's all-gather with our compute
@@ -312,8 +314,11 @@ class FSDPState:
     def _complete_forward(self, ctx: RootContext) -> None:
         self._transition("forward_post")
         if self.group is not None and not ctx.in_backward:
-            if self.reshard_after_forward:
+            raf = self.reshard_after_forward
+            if raf is True:
                 self.group.reshard()
+            elif raf:  # an int: keep a share of the unsharded parameters in a smaller group
+                self.group.reshard_post_forward()
             if torch.is_grad_enabled():  # a backward may follow: remember the order
                 self.post_forward_indices.append(len(ctx.post_forward_order))
                 ctx.post_forward_order.append(self)
@@ -366,7 +371,14 @@ class FSDPState:
                 return
             targets = [ctx.post_forward_order[index - 1]]
         for target in targets:
-            if target.group is not None and target.unshard_in_backward and target is not self:
+            # a unit whose backward already ran this pass (e.g. a stale entry from an
+            # earlier microbatch) must not be gathered again: nothing would free it
+            if (
+                target.group is not None
+                and target.unshard_in_backward
+                and target is not self
+                and target.training_state is not S.BACKWARD
+            ):
                 target.group.unshard(target.comm)
 
     def post_backward(self) -> None:
@@ -401,16 +413,27 @@ class FSDPState:
         if logging_on:
             for state in states:
                 state._log("root_backward_enter")
-        for state in reversed(states):
-            state.post_backward()
-        if self.is_last_backward:
-            for run in ctx.finalize_runs:
-                run(ctx)
-        for state in states:
+        try:
+            for state in reversed(states):
+                state.post_backward()
+            if self.is_last_backward:
+                for run in ctx.finalize_runs:
+                    run(ctx)
+        finally:  # even if a phase raised, the next iteration starts from IDLE
+            self._end_iteration(ctx, logging_on)
+
+    def _end_iteration(self, ctx: RootContext, logging_on: bool) -> None:
+        for state in ctx.states:
             if logging_on:
                 state._log("root_backward_exit")
             state.training_state = S.IDLE
             state.modules_to_run.clear()
+            group = state.group
+            if group is not None:
+                if state.reshard_after_backward or group.has_pending:
+                    group.reshard()  # also drops prefetched gathers nobody consumed
+                elif group.is_unsharded:
+                    group.remember_versions()  # kept: re-gathered if an optimizer steps
         ctx.end_backward(self.is_last_backward)
 
     # -- recovery -----------------------------------------------------------------------------

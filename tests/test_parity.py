@@ -70,7 +70,7 @@ def transformer_parity(reshard_after_forward, tied):
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
 def test_transformer_parity(run_ranks, world, reshard_after_forward):
     losses = run_ranks(world, transformer_parity, reshard_after_forward, False)
-    assert losses[0][-1] < losses[0][0]
+    assert all(rank_losses == losses[0] for rank_losses in losses)
 
 
 def test_tied_embedding_in_root_unit(run_ranks):
