@@ -91,6 +91,9 @@ class RootContext:
     def end_backward(self, is_last_backward: bool) -> None:
         self.in_backward = False
         self.callback_queued = False
+        # a standalone call of a list unit's module (a chunked-loss head) claims the
+        # forward root without finishing it; the next forward starts fresh
+        self.iter_forward_root = None
         if is_last_backward:
             self.post_forward_order.clear()
             for state in self.states:

@@ -308,7 +308,7 @@ class FSDPState:
         self._complete_forward(ctx)
         output = self._register_pre_backward(output)
         if ctx.iter_forward_root is self:
-            self._root_post_forward(ctx)
+            self._root_post_forward(ctx, output)
         return self._transform_output(output)
 
     def _complete_forward(self, ctx: RootContext) -> None:
@@ -323,15 +323,17 @@ class FSDPState:
                 self.post_forward_indices.append(len(ctx.post_forward_order))
                 ctx.post_forward_order.append(self)
 
-    def _root_post_forward(self, ctx: RootContext) -> None:
+    def _root_post_forward(self, ctx: RootContext, output: Any) -> None:
         for state in ctx.states:
             if state is self:
                 continue
             if state.modules_to_run and state.training_state is S.PRE_FORWARD:
                 # A list unit whose forward ran only some of its modules (e.g. norm but
-                # not the chunked head): finish its forward now.
+                # not the chunked head): finish its forward now; its backward starts
+                # when the root output's gradient arrives.
                 state.modules_to_run.clear()
                 state._complete_forward(ctx)
+                state._register_pre_backward(output)
             elif state.prefetched:
                 state.prefetched = False
                 state.group.reshard()  # prefetched, but not run this iteration
