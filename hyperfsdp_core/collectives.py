@@ -118,28 +118,37 @@ class Comm:
             self.reduce_stream = self._module.Stream(device=device)
 
     # -- buffers -------------------------------------------------------------------------
-    def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def buffer(self, numel: int, dtype: torch.dtype, custom=None) -> torch.Tensor:
+        """A communication buffer; ``custom.allocate`` decides where it lives if given."""
+        if custom is not None:
+            return custom.allocate((numel,), dtype=dtype, device=self.device)
         if self.pool is not None:
             return self.pool.get(numel, dtype)
         return torch.empty(numel, dtype=dtype, device=self.device)
 
-    def recycle(self, tensor: torch.Tensor | None) -> None:
-        if self.pool is not None and tensor is not None:
+    def recycle(self, tensor: torch.Tensor | None, custom=None) -> None:
+        if self.pool is not None and tensor is not None and custom is None:
             self.pool.put(tensor)
 
     # -- collectives ---------------------------------------------------------------------
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group) -> Handle:
+    # ``custom`` is an FSDP2-style comm object (``set_custom_all_gather`` /
+    # ``set_custom_reduce_scatter``): ``custom(output, input, group, [op,] async_op=...)``.
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group, custom=None) -> Handle:
         self.stats.all_gathers += 1
         self.stats.all_gather_bytes += out.numel() * out.element_size()
+        if custom is not None:
+            return self._issue(self.all_gather_stream if not self.is_cpu else None,
+                               lambda: custom(out, inp, group, async_op=self.is_cpu), (out, inp))
         if self.is_cpu:
             return Handle(_all_gather(out, inp, group=group, async_op=True))
-        return self._on_stream(
-            self.all_gather_stream, _all_gather, (out, inp), {"group": group}, (out, inp)
-        )
+        return self._on_stream(self.all_gather_stream, _all_gather, (out, inp), {"group": group}, (out, inp))
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group, op) -> Handle:
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group, op, custom=None) -> Handle:
         self.stats.reduce_scatters += 1
         self.stats.reduce_scatter_bytes += inp.numel() * inp.element_size()
+        if custom is not None:
+            return self._issue(self.reduce_stream if not self.is_cpu else None,
+                               lambda: custom(out, inp, group, op, async_op=self.is_cpu), (out, inp))
         if self.is_cpu:
             return Handle(_reduce_scatter(out, inp, op=op, group=group, async_op=True))
         return self._on_stream(
@@ -154,6 +163,17 @@ class Comm:
         return self._on_stream(
             self.reduce_stream, _all_reduce, (tensor,), {"op": op, "group": group}, (tensor,)
         )
+
+    def _issue(self, stream, call, keepalive) -> Handle:
+        """Run a custom collective: on CPU it may return a work handle (or finish in place)."""
+        if stream is None:
+            work = call()
+            return Handle(work, keepalive=keepalive) if work is not None else Handle(keepalive=None)
+        stream.wait_stream(self._module.current_stream())
+        with self._module.stream(stream):
+            call()
+            event = stream.record_event()
+        return Handle(event=event, keepalive=keepalive)
 
     def _on_stream(self, stream, fn, args, kwargs, keepalive) -> Handle:
         stream.wait_stream(self._module.current_stream())

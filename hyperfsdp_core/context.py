@@ -82,11 +82,11 @@ class RootContext:
     def add_reductions(self, reductions: list[Reduction]) -> None:
         self.pending_reductions.extend(reductions)
 
-    def drain_reductions(self) -> None:
-        """Wait for every pending reduce-scatter and hand its result on (idempotent)."""
-        pending, self.pending_reductions = self.pending_reductions, []
-        for red in pending:
-            finish_reduction(red, self.comm)
+    def drain_reductions(self, keep: int = 0) -> None:
+        """Finish pending reduce-scatters, oldest first, until at most ``keep`` remain."""
+        pending = self.pending_reductions
+        while len(pending) > keep:
+            finish_reduction(pending.pop(0), self.comm)
 
     def end_backward(self, is_last_backward: bool) -> None:
         self.in_backward = False

@@ -168,6 +168,11 @@ class Bucket:
         # unsharded buffer kept between forward and backward
         self.post_forward: MeshInfo | None = None
         self._post_forward_shard: torch.Tensor | None = None
+        # FSDP2-style comm objects (set_custom_all_gather / set_custom_reduce_scatter) and
+        # an optional separate process group for reduce-scatters
+        self.custom_all_gather = None
+        self.custom_reduce_scatter = None
+        self.reduce_group: dist.ProcessGroup | None = None
         self.divide_factor: float = float(self.mesh_info.dp_size)
         self._reduce_key: tuple[bool, ...] | None = None
         self._reduce_plan: tuple[list[HSDPParam], list[Segment], list[_PackPlan], int] | None = None
@@ -268,14 +273,15 @@ class Bucket:
             self.pending.keepalive = kept
             return
         inp = self.sharded_flat
+        custom = self.custom_all_gather
         if self.needs_cast:
             self._cast_in = comm.buffer(self.total, self.param_dtype)
             inp = self._cast_in.copy_(inp)
-        if self.storage_owner is StorageOwner.ALL_GATHER_OUTPUT:
+        if self.storage_owner is StorageOwner.ALL_GATHER_OUTPUT and custom is None:
             out = flat
         else:
-            out = self._staging = comm.buffer(self.world * self.total, self.param_dtype)
-        self.pending = comm.all_gather(out, inp, self.mesh_info.shard_group)
+            out = self._staging = comm.buffer(self.world * self.total, self.param_dtype, custom)
+        self.pending = comm.all_gather(out, inp, self.mesh_info.shard_group, custom)
 
     def finish_unshard(self, comm: Comm) -> None:
         """Wait for the all-gather, copy out, and register the unsharded parameters."""
@@ -289,7 +295,7 @@ class Bucket:
             self._cast_in = None
         if self._staging is not None:
             self._copy_out(self._staging)
-            comm.recycle(self._staging)
+            comm.recycle(self._staging, self.custom_all_gather)
             self._staging = None
         for p in self.params:
             p.to_unsharded()
@@ -384,8 +390,10 @@ class Bucket:
                 output.mul_(scale)
             return Reduction(self, output, _READY, None, members, segments, present)
         g0 = grads[0]
+        custom = self.custom_reduce_scatter
         direct = (
-            len(members) == 1
+            custom is None
+            and len(members) == 1
             and g0 is not None
             and plans[0].dim == 0
             and plans[0].rows == world * plans[0].chunk
@@ -395,14 +403,17 @@ class Bucket:
         if direct:
             pack, recycle = g0.view(-1), None
         else:
-            pack = recycle = comm.buffer(world * total, rdtype)
+            pack = recycle = comm.buffer(world * total, rdtype, custom)
             pack2d = pack.view(world, total)
             for plan, g in zip(plans, grads):
                 plan.pack(pack2d, g)
         if scale is not None:
             pack.mul_(scale)
         output = torch.empty(total, dtype=rdtype, device=self.device)
-        handle = comm.reduce_scatter(output, pack, self.mesh_info.shard_group, dist.ReduceOp.SUM)
+        group = self.reduce_group or self.mesh_info.shard_group
+        handle = comm.reduce_scatter(output, pack, group, dist.ReduceOp.SUM, custom)
+        if custom is not None:  # the custom comm owns its buffers: never pooled
+            recycle = None
         red = Reduction(self, output, handle, recycle, members, segments, present)
         if recycle is None:
             handle.keepalive = pack
@@ -438,6 +449,9 @@ class ParamGroup:
         self.divide_factor: float | None = None
         self.post_forward_size: int | None = None
         self.kept_versions: tuple[int, ...] | None = None
+        self.custom_all_gather = None
+        self.custom_reduce_scatter = None
+        self.separate_reduce_group = False
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self.rebucket()
 
@@ -450,12 +464,17 @@ class ParamGroup:
         self.apply_settings()
 
     def apply_settings(self) -> None:
-        from .mesh_info import post_forward_mesh_info
+        from .mesh_info import post_forward_mesh_info, separate_group
 
         for b in self.buckets:
             if self.divide_factor is not None:
                 b.divide_factor = self.divide_factor
             b.all_reduce_hook = self.all_reduce_hook
+            b.custom_all_gather = self.custom_all_gather
+            b.custom_reduce_scatter = self.custom_reduce_scatter
+            b.reduce_group = (
+                separate_group(b.mesh_info) if self.separate_reduce_group and b.needs_all_gather else None
+            )
             if self.post_forward_size is not None and b.needs_all_gather:
                 b.post_forward = post_forward_mesh_info(b.mesh_info, self.post_forward_size)
 

@@ -149,3 +149,21 @@ def post_forward_mesh_info(info: MeshInfo, size: int) -> MeshInfo:
     )
     _post_forward_infos[key] = result
     return result
+
+
+_separate_groups: dict[tuple, dist.ProcessGroup] = {}
+
+
+def separate_group(info: MeshInfo) -> dist.ProcessGroup:
+    """A second process group over ``info``'s shard ranks, for reduce-scatters.
+
+    With its own communicator (its own gloo threads on CPU) a reduce-scatter need not
+    queue behind an all-gather on the shard group. Collective for those ranks on first
+    use; cached per rank set.
+    """
+    ranks = dist.get_process_group_ranks(info.shard_group)
+    key = tuple(ranks)
+    group = _separate_groups.get(key)
+    if group is None:
+        group = _separate_groups[key] = dist.new_group(ranks, use_local_synchronization=True)
+    return group

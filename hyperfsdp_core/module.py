@@ -174,9 +174,42 @@ class FSDPModule:
             state.group.all_reduce_hook = hook
             state.group.apply_settings()
 
+    def set_custom_all_gather(self, comm) -> None:
+        """Use an FSDP2-style ``AllGather`` object (``allocate`` + ``__call__``) for this unit."""
+        self._set_group_option("custom_all_gather", comm)
+
+    def set_custom_reduce_scatter(self, comm) -> None:
+        """Use an FSDP2-style ``ReduceScatter`` object (``allocate`` + ``__call__``) for this unit."""
+        self._set_group_option("custom_reduce_scatter", comm)
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """Run reduce-scatters on their own process group over the shard ranks.
+
+        Collective on first use: call it on every rank in the same order. On CPU the
+        separate group has its own gloo threads, so a reduce-scatter does not queue
+        behind the next all-gather.
+        """
+        for state in self._fsdp_states(recurse):
+            if state.group is not None:
+                state.group.separate_reduce_group = enable
+                state.group.apply_settings()
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """How many reduce-scatters may be in flight before post-backward waits on the oldest."""
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be >= 1, got {max_input_buffers}")
+        for state in self._fsdp_states(recurse):
+            state.max_reduce_buffers = max_input_buffers
+
+    def _set_group_option(self, name: str, value) -> None:
+        group = self._fsdp_state().group
+        if group is not None:
+            setattr(group, name, value)
+            group.apply_settings()
+
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Reductions always use SUM here (scaling is applied around it); kept for FSDP2 parity."""
-        self._fsdp_state().force_sum_reduction = enable  # type: ignore[attr-defined]
+        self._fsdp_state().force_sum_reduction = enable
 
     def sharding_plan(self):
         """One row per managed parameter of this unit and its sub-units (see API.md)."""

@@ -60,3 +60,17 @@ class DataParallelMeshDims:
     def __attrs_post_init__(self) -> None:
         if self.shard is None and self.replicate is None:
             raise ValueError("DataParallelMeshDims needs at least one of shard= or replicate=")
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        return _as_names(self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        return _as_names(self.replicate)
+
+
+def _as_names(value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)

@@ -111,6 +111,8 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] | None = None
         self.backward_prefetch: list[FSDPState] | None = None
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.max_reduce_buffers = 1
+        self.force_sum_reduction = False  # reductions are always SUM here (scaled once)
         self.is_last_backward = True
         self.post_optim_event = None
         self.mp_policy = None  # set by fully_shard
@@ -397,7 +399,9 @@ class FSDPState:
         ctx = self.ctx
         assert ctx is not None
         if self.requires_gradient_sync:
-            ctx.drain_reductions()  # the previous unit's reduce-scatter ran under our backward
+            # the previous unit's reduce-scatter ran under our backward; keep at most
+            # max_reduce_buffers - 1 in flight before adding ours
+            ctx.drain_reductions(keep=self.max_reduce_buffers - 1)
             ctx.add_reductions(
                 group.reduce(self.comm, include_unused=self.reduce_scatter_unused_params)
             )

@@ -473,3 +473,51 @@ def kept_unsharded_across_optimizer_step():
 
 def test_kept_unsharded_params_are_refreshed_after_optimizer_step(run_ranks):
     assert run_ranks(2, kept_unsharded_across_optimizer_step) == [True, True]
+
+
+class RecordingAllGather:
+    """An FSDP2-style custom all-gather: allocates its own buffers, calls the collective."""
+
+    def __init__(self):
+        self.allocated, self.calls = [], 0
+
+    def allocate(self, size, *, dtype, device):
+        self.allocated.append(tuple(size))
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.calls += 1
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class RecordingReduceScatter(RecordingAllGather):
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.calls += 1
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+def custom_comms_and_groups():
+    model, ref = pair()
+    shard_layers(model)
+    ag, rs = RecordingAllGather(), RecordingReduceScatter()
+    model.layers[1].set_custom_all_gather(ag)
+    model.layers[1].set_custom_reduce_scatter(rs)
+    model.set_separate_reduce_scatter_group(True)
+    model.set_reduce_scatter_max_input_buffers(2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    with Count() as c:
+        for step in range(2):
+            step_both(model, ref, opt, ref_opt, step)
+    assert_close_params(model, ref)
+    bucket = model.layers[0]._hyperfsdp_state.group.buckets[0]
+    separate = bucket.reduce_group is not None and bucket.reduce_group is not bucket.mesh_info.shard_group
+    # the layers[1] collectives went through the custom objects, not hyperfsdp's own calls
+    return ag.calls, rs.calls, len(ag.allocated), separate, c.count("ag"), c.count("rs")
+
+
+def test_custom_comms_separate_group_and_buffers(run_ranks):
+    for ag_calls, rs_calls, allocations, separate, own_ag, own_rs in run_ranks(2, custom_comms_and_groups):
+        assert (ag_calls, rs_calls, allocations) == (4, 2, 4)  # 2 steps x (forward + backward)
+        assert separate
+        assert (own_ag, own_rs) == (3 * 4, 3 * 2)

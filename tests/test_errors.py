@@ -97,6 +97,27 @@ def bad_reshard_after_forward():
     )
 
 
+def offload_without_plugin():
+    from hyperfsdp_core import CPUOffloadPolicy
+
+    return expect_error(
+        lambda: nn.Linear(2, 2),
+        lambda m: fully_shard(m, offload_policy=CPUOffloadPolicy()),
+        "pip install hyperfsdp[offload]",
+    )
+
+
+def dp_mesh_dims_without_plugin():
+    from hyperfsdp_core import DataParallelMeshDims
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    return expect_error(
+        lambda: nn.Linear(2, 2),
+        lambda m: fully_shard(m, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp")),
+        "pip install hyperfsdp[tp]",
+    )
+
+
 CASES = {
     "scalar": (scalar_param, "ValueError"),
     "uneven_non_dim0": (uneven_non_dim0, "ValueError"),
@@ -104,6 +125,27 @@ CASES = {
     "shared": (shared_between_units, "ValueError"),
     "reshard_int": (bad_reshard_after_forward, "ValueError"),
 }
+PLUGIN_CASES = {  # features that need a plugin distribution
+    "offload": (offload_without_plugin, "ImportError"),
+    "dp_mesh_dims": (dp_mesh_dims_without_plugin, "ImportError"),
+    "two_d_mesh": (two_d_mesh_without_plugin, "ImportError"),
+}
+
+
+def run_plugin_case(name):
+    """Run with entry-point plugins switched off: the core alone must name the extra."""
+    import os
+
+    from hyperfsdp_core.plugins import DISABLE_AUTOLOAD_ENV, reset_plugin_manager
+
+    os.environ[DISABLE_AUTOLOAD_ENV] = "1"
+    reset_plugin_manager()
+    return PLUGIN_CASES[name][0]()
+
+
+@pytest.mark.parametrize("name", sorted(PLUGIN_CASES))
+def test_missing_plugin_names_the_extra(run_ranks, name):
+    assert run_ranks(2, run_plugin_case, name) == [PLUGIN_CASES[name][1]] * 2
 
 
 def run_case(name):
@@ -119,9 +161,3 @@ def test_fully_shard_twice(run_ranks):
     assert run_ranks(2, already_sharded) == [True, True]
 
 
-def test_two_d_mesh_names_the_extra(run_ranks):
-    import hyperfsdp_core.plugins as plugins
-
-    if plugins.get_plugin_manager().get_plugin("hsdp") is not None:
-        pytest.skip("the hsdp plugin is installed: 2-D meshes are supported")
-    assert run_ranks(2, two_d_mesh_without_plugin) == ["ImportError"] * 2

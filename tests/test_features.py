@@ -87,7 +87,7 @@ def test_list_unit_is_one_group(run_ranks):
     assert run_ranks(2, list_unit) == [1, 1]
 
 
-def divide_factor(factor):
+def divide_factor(factor, deprecated_name=False):
     torch.manual_seed(0)
     model = MLPStack([4, 6, 3])
     ref = MLPStack([4, 6, 3])
@@ -96,7 +96,10 @@ def divide_factor(factor):
         fully_shard(layer)
     fully_shard(model)
     for m in [model, *model.layers]:
-        m.set_gradient_divide_factor(factor)
+        if deprecated_name:
+            m.set_reduce_scatter_divide_factor(factor)  # FSDP2's older spelling
+        else:
+            m.set_gradient_divide_factor(factor)
     x, _ = mlp_batch(0, 4, 4)
     mse_loss(model(x.chunk(2)[dist.get_rank()]), None).backward()
     mse_loss(ref(x), None).backward()
@@ -113,6 +116,8 @@ def test_gradient_divide_factor_sum_on_gloo(run_ranks):
     for diff in run_ranks(2, divide_factor, 1.0):  # gloo has no pre-multiplied sum: scaled SUM
         assert diff < 1e-6
     for diff in run_ranks(2, divide_factor, 4.0):
+        assert diff < 1e-6
+    for diff in run_ranks(2, divide_factor, 3.0, True):
         assert diff < 1e-6
 
 
