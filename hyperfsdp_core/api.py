@@ -330,7 +330,7 @@ def reset_sharded_params(state: FSDPState) -> None:
     group.build_sharded(locals_by_param, device)
     if state.ctx is not None:
         group.init_unsharded()
-        state.prepare_buckets()
+        state.resolve_reducers()
     hook = get_plugin_manager().hook.hyperfsdp_param_reset
     for p in group.params:
         hook(param=p)

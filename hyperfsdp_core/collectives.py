@@ -137,18 +137,28 @@ class Comm:
         self.stats.all_gathers += 1
         self.stats.all_gather_bytes += out.numel() * out.element_size()
         if custom is not None:
-            return self._issue(self.all_gather_stream if not self.is_cpu else None,
-                               lambda: custom(out, inp, group, async_op=self.is_cpu), (out, inp))
+            return self._issue(
+                self.all_gather_stream if not self.is_cpu else None,
+                lambda: custom(out, inp, group, async_op=self.is_cpu),
+                (out, inp),
+            )
         if self.is_cpu:
             return Handle(_all_gather(out, inp, group=group, async_op=True))
-        return self._on_stream(self.all_gather_stream, _all_gather, (out, inp), {"group": group}, (out, inp))
+        return self._on_stream(
+            self.all_gather_stream, _all_gather, (out, inp), {"group": group}, (out, inp)
+        )
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group, op, custom=None) -> Handle:
+    def reduce_scatter(
+        self, out: torch.Tensor, inp: torch.Tensor, group, op, custom=None
+    ) -> Handle:
         self.stats.reduce_scatters += 1
         self.stats.reduce_scatter_bytes += inp.numel() * inp.element_size()
         if custom is not None:
-            return self._issue(self.reduce_stream if not self.is_cpu else None,
-                               lambda: custom(out, inp, group, op, async_op=self.is_cpu), (out, inp))
+            return self._issue(
+                self.reduce_stream if not self.is_cpu else None,
+                lambda: custom(out, inp, group, op, async_op=self.is_cpu),
+                (out, inp),
+            )
         if self.is_cpu:
             return Handle(_reduce_scatter(out, inp, op=op, group=group, async_op=True))
         return self._on_stream(

@@ -40,7 +40,8 @@ class RootContext:
         self.post_forward_order: list[FSDPState] = []
         self.forward_order: list[FSDPState] = []
         self.next_in_forward: dict[FSDPState, FSDPState] = {}
-        self.pending_reductions: list[Reduction] = []
+        # one entry per unit post-backward that reduced: (unit, its reductions)
+        self.pending_reductions: list[tuple[FSDPState, list[Reduction]]] = []
         # transition log: None when off (the common case costs one attribute test)
         self.transition_log: list[tuple[str, str, str, str]] | None = None
         if os.environ.get(LOG_TRANSITIONS_ENV):
@@ -79,14 +80,15 @@ class RootContext:
             self.callback_queued = True
             queue_end_of_backward_callback(self.root.root_post_backward)
 
-    def add_reductions(self, reductions: list[Reduction]) -> None:
-        self.pending_reductions.extend(reductions)
+    def add_reductions(self, state: FSDPState, reductions: list[Reduction]) -> None:
+        self.pending_reductions.append((state, reductions))
 
     def drain_reductions(self, keep: int = 0) -> None:
-        """Finish pending reduce-scatters, oldest first, until at most ``keep`` remain."""
+        """Finish pending post-backward reductions, oldest first, until ``keep`` remain."""
         pending = self.pending_reductions
         while len(pending) > keep:
-            finish_reduction(pending.pop(0), self.comm)
+            state, reductions = pending.pop(0)
+            finish_reductions(state, reductions, self.comm)
 
     def end_backward(self, is_last_backward: bool) -> None:
         self.in_backward = False
@@ -101,8 +103,9 @@ class RootContext:
 
     def reset(self) -> None:
         """Forget the current iteration (after an exception); in-flight reductions are dropped."""
-        for red in self.pending_reductions:
-            red.handle.abandon()
+        for _, reductions in self.pending_reductions:
+            for red in reductions:
+                red.handle.abandon()
         self.pending_reductions = []
         self.iter_forward_root = None
         self.in_backward = False
@@ -113,13 +116,15 @@ class RootContext:
             state.post_forward_indices.clear()
 
 
-def finish_reduction(red: Reduction, comm: Comm) -> None:
-    """Wait for one reduction, run the bucket's reducers, then apply it unless deferred."""
-    red.wait(comm)
-    for reducer in red.bucket.reducers:
-        reducer(red)
-    if not red.deferred:
-        hook = red.bucket.all_reduce_hook
-        if hook is not None:
-            hook(red.output)
-        red.apply()
+def finish_reductions(state: FSDPState, reductions: list[Reduction], comm: Comm) -> None:
+    """Wait for one post-backward's reductions, run the unit's reducers, apply the rest."""
+    for red in reductions:
+        red.wait(comm)
+    for reducer in state.reducers:
+        reducer(reductions)
+    for red in reductions:
+        if not red.deferred:
+            hook = red.bucket.all_reduce_hook
+            if hook is not None:
+                hook(red.output)
+            red.apply()

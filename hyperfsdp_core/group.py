@@ -162,7 +162,6 @@ class Bucket:
         self.pending: Handle | None = None
         self._staging: torch.Tensor | None = None
         self._cast_in: torch.Tensor | None = None
-        self.reducers: list[Callable[[Reduction], None]] = []
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         # reshard_after_forward=<int>: the smaller group, and this rank's part of the
         # unsharded buffer kept between forward and backward
@@ -473,7 +472,9 @@ class ParamGroup:
             b.custom_all_gather = self.custom_all_gather
             b.custom_reduce_scatter = self.custom_reduce_scatter
             b.reduce_group = (
-                separate_group(b.mesh_info) if self.separate_reduce_group and b.needs_all_gather else None
+                separate_group(b.mesh_info)
+                if self.separate_reduce_group and b.needs_all_gather
+                else None
             )
             if self.post_forward_size is not None and b.needs_all_gather:
                 b.post_forward = post_forward_mesh_info(b.mesh_info, self.post_forward_size)

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from .group import Bucket
+    from .group import Reduction
     from .mesh_info import MeshInfo
     from .param import HSDPParam
     from .plugins import Phase
@@ -105,17 +105,17 @@ def hyperfsdp_forward_output_transform(state: FSDPState) -> Callable[[Any], Any]
 
 
 @hookspec
-def hyperfsdp_gradient_reducers(bucket: Bucket) -> Callable[..., Any] | None:
-    """*lazy-init* Return a reducer for a bucket's reduced gradient, or ``None``.
+def hyperfsdp_gradient_reducers(state: FSDPState) -> Callable[[list[Reduction]], None] | None:
+    """*lazy-init* Return a reducer for a unit's reduced gradients, or ``None``.
 
-    The reducer is called as ``reducer(reduction)`` with the
-    :class:`~hyperfsdp_core.group.Reduction` that the core's reduce-scatter produced
-    (or, for buckets that do not reduce-scatter, the packed local gradient), once it
-    has completed and before the core adds it to the sharded parameters' gradients:
-    in the next unit's post-backward or in the ``core.reduce_scatter_drain`` phase.
-    It may take the reduction over (for example to all-reduce it over a replicate
-    group and apply it later in a finalization phase) by calling ``reduction.defer()``.
-    Called again for buckets rebuilt after lazy init (``load_state_dict(assign=True)``).
+    Called once per unit at the root's lazy init (and again when the unit's buckets are
+    rebuilt). The reducer is called once per post-backward of the unit, when the core
+    drains that unit's reduce-scatters (in the next unit's post-backward or in the
+    ``core.reduce_scatter_drain`` phase), with the list of this post-backward's
+    :class:`~hyperfsdp_core.group.Reduction` objects (one per bucket that reduced),
+    every one of them complete. A reducer may take a reduction over (for example to
+    all-reduce it over a replicate group and apply it in a later finalization phase)
+    by calling ``reduction.defer()``; the core applies the others right after.
     """
 
 

@@ -182,7 +182,9 @@ class FSDPModule:
         """Use an FSDP2-style ``ReduceScatter`` object (``allocate`` + ``__call__``) for this unit."""
         self._set_group_option("custom_reduce_scatter", comm)
 
-    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+    def set_separate_reduce_scatter_group(
+        self, enable: bool = True, *, recurse: bool = True
+    ) -> None:
         """Run reduce-scatters on their own process group over the shard ranks.
 
         Collective on first use: call it on every rank in the same order. On CPU the
@@ -194,7 +196,9 @@ class FSDPModule:
                 state.group.separate_reduce_group = enable
                 state.group.apply_settings()
 
-    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
         """How many reduce-scatters may be in flight before post-backward waits on the oldest."""
         if max_input_buffers < 1:
             raise ValueError(f"max_input_buffers must be >= 1, got {max_input_buffers}")

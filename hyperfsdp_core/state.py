@@ -121,6 +121,7 @@ class FSDPState:
         # resolved at lazy init from plugins
         self.input_transforms: list[Callable] = []
         self.output_transforms: list[Callable] = []
+        self.reducers: list[Callable] = []
         # per iteration
         self.post_forward_indices: list[int] = []
         self.modules_to_run: set[nn.Module] = set()
@@ -194,7 +195,7 @@ class FSDPState:
                 for p in state.group.params:
                     p.fqn = param_fqns.get(id(p.sharded_param), p.fqn)
                 state.group.init_unsharded()
-                state.prepare_buckets()
+                state.resolve_reducers()
             state.input_transforms = [
                 f for f in pm.hook.hyperfsdp_forward_input_transform(state=state) if f
             ]
@@ -206,12 +207,10 @@ class FSDPState:
         ctx.finalize_runs = tuple(phase.run for phase in pm.finalization_phases())
         return ctx
 
-    def prepare_buckets(self) -> None:
-        """Resolve the plugins' per-bucket gradient reducers (at lazy init and after a rebuild)."""
-        assert self.group is not None
+    def resolve_reducers(self) -> None:
+        """Resolve the plugins' gradient reducers for this unit (lazy init, after a rebuild)."""
         hook = get_plugin_manager().hook.hyperfsdp_gradient_reducers
-        for bucket in self.group.buckets:
-            bucket.reducers = [r for r in hook(bucket=bucket) if r]
+        self.reducers = [r for r in hook(state=self) if r]
 
     # -- forward ------------------------------------------------------------------------------
     def ensure_storage(self) -> None:
@@ -402,9 +401,9 @@ class FSDPState:
             # the previous unit's reduce-scatter ran under our backward; keep at most
             # max_reduce_buffers - 1 in flight before adding ours
             ctx.drain_reductions(keep=self.max_reduce_buffers - 1)
-            ctx.add_reductions(
-                group.reduce(self.comm, include_unused=self.reduce_scatter_unused_params)
-            )
+            reductions = group.reduce(self.comm, include_unused=self.reduce_scatter_unused_params)
+            if reductions:
+                ctx.add_reductions(self, reductions)
         else:
             group.keep_grads()
         if self.reshard_after_backward:

@@ -33,16 +33,24 @@ def test_every_supported_row_names_an_existing_test():
 
 
 def test_every_fsdp2_method_is_listed_and_supported_ones_exist():
-    methods = [n for n in vars(fsdp2.FSDPModule) if n.startswith(("set_", "un", "re")) and not n.startswith("_")]
+    methods = [
+        n
+        for n in vars(fsdp2.FSDPModule)
+        if n.startswith(("set_", "un", "re")) and not n.startswith("_")
+    ]
     for name in methods:
         rows = [r for r in ROWS if f"`{name}(" in r or f"`{name}`" in r or f"/ `{name}(" in r]
         assert rows, f"FSDP2's FSDPModule.{name} is missing from docs/fsdp2-compat.md"
         if "not provided" not in rows[0]:
-            assert hasattr(hyperfsdp_core.FSDPModule, name), f"{name} is listed as supported but missing"
+            assert hasattr(hyperfsdp_core.FSDPModule, name), (
+                f"{name} is listed as supported but missing"
+            )
 
 
 def test_every_fully_shard_argument_is_listed():
     import inspect
 
     for name in inspect.signature(fsdp2.fully_shard).parameters:
-        assert any(row.startswith(f"| `{name}") for row in ROWS), f"fully_shard({name}=) is not listed"
+        assert any(row.startswith(f"| `{name}") for row in ROWS), (
+            f"fully_shard({name}=) is not listed"
+        )

@@ -487,13 +487,17 @@ class RecordingAllGather:
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         self.calls += 1
-        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        return dist.all_gather_into_tensor(
+            output_tensor, input_tensor, group=group, async_op=async_op
+        )
 
 
 class RecordingReduceScatter(RecordingAllGather):
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         self.calls += 1
-        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        return dist.reduce_scatter_tensor(
+            output_tensor, input_tensor, op=op, group=group, async_op=async_op
+        )
 
 
 def custom_comms_and_groups():
@@ -511,13 +515,17 @@ def custom_comms_and_groups():
             step_both(model, ref, opt, ref_opt, step)
     assert_close_params(model, ref)
     bucket = model.layers[0]._hyperfsdp_state.group.buckets[0]
-    separate = bucket.reduce_group is not None and bucket.reduce_group is not bucket.mesh_info.shard_group
+    separate = (
+        bucket.reduce_group is not None and bucket.reduce_group is not bucket.mesh_info.shard_group
+    )
     # the layers[1] collectives went through the custom objects, not hyperfsdp's own calls
     return ag.calls, rs.calls, len(ag.allocated), separate, c.count("ag"), c.count("rs")
 
 
 def test_custom_comms_separate_group_and_buffers(run_ranks):
-    for ag_calls, rs_calls, allocations, separate, own_ag, own_rs in run_ranks(2, custom_comms_and_groups):
+    for ag_calls, rs_calls, allocations, separate, own_ag, own_rs in run_ranks(
+        2, custom_comms_and_groups
+    ):
         assert (ag_calls, rs_calls, allocations) == (4, 2, 4)  # 2 steps x (forward + backward)
         assert separate
         assert (own_ag, own_rs) == (3 * 4, 3 * 2)

@@ -159,5 +159,3 @@ def test_rejected_with_fqn(run_ranks, name):
 
 def test_fully_shard_twice(run_ranks):
     assert run_ranks(2, already_sharded) == [True, True]
-
-

@@ -388,30 +388,33 @@ def test_hook_forward_output_transform():
 
 class ReducerPlugin:
     def __init__(self, defer_prefix: str | None = None) -> None:
-        self.buckets: list = []
+        self.units: list = []
         self.received: list = []
         self.deferred: list = []
         self.defer_prefix = defer_prefix
 
     @hookimpl
-    def hyperfsdp_gradient_reducers(self, bucket):
-        fqns = [p.fqn for p in bucket.params]
-        self.buckets.append(fqns)
+    def hyperfsdp_gradient_reducers(self, state):
+        if state.group is None:
+            return None
+        fqns = [p.fqn for p in state.group.params]
+        self.units.append(fqns)
         defer = self.defer_prefix is not None and fqns[0].startswith(self.defer_prefix)
 
-        def reducer(reduction):
-            self.received.append(
-                (
-                    type(reduction).__name__,
-                    [p.fqn for p in reduction.members],
-                    reduction.output.numel(),
-                    # not applied yet: the reducer may still take the reduction over
-                    [p.sharded_param.grad is None for p in reduction.members],
+        def reducer(reductions):
+            for reduction in reductions:  # one per bucket of this post-backward
+                self.received.append(
+                    (
+                        type(reduction).__name__,
+                        [p.fqn for p in reduction.members],
+                        reduction.output.numel(),
+                        # not applied yet: the reducer may still take the reduction over
+                        [p.sharded_param.grad is None for p in reduction.members],
+                    )
                 )
-            )
-            if defer:
-                reduction.defer()
-                self.deferred.append(reduction)
+                if defer:
+                    reduction.defer()
+                    self.deferred.append(reduction)
 
         return reducer
 
@@ -427,13 +430,13 @@ def rank_gradient_reducers():
     fully_shard(model)  # the root unit manages layer 1
     plugin = ReducerPlugin()
     with registered(plugin, "test_gradient_reducers"):
-        at_fully_shard = len(plugin.buckets)
+        at_fully_shard = len(plugin.units)
         model(x).sum().backward()
-        buckets_after_first = sorted(plugin.buckets)
+        buckets_after_first = sorted(plugin.units)
         received_after_first = sorted(plugin.received)
         grads = full_grads(model)
         model(x).sum().backward()
-        calls = (len(plugin.buckets), len(plugin.received))
+        calls = (len(plugin.units), len(plugin.received))
     for n, g in grads.items():
         torch.testing.assert_close(g, expected[n], msg=n)
 
@@ -471,7 +474,7 @@ def test_hook_gradient_reducers():
             ("Reduction", ["0.weight", "0.bias"], 4 * 4 + 4, [True, True]),
             ("Reduction", ["1.weight", "1.bias"], 2 * 8 + 2, [True, True]),
         ]
-        assert calls == (2, 4)  # buckets resolved once; one reduction per bucket per backward
+        assert calls == (2, 4)  # resolved once per unit; one reduction per bucket per backward
         assert grads_set == {"0.weight": True, "0.bias": True, "1.weight": False, "1.bias": False}
         assert deferred == [["1.weight", "1.bias"]]
 
