@@ -102,10 +102,18 @@ class RootContext:
                 state.post_forward_indices.clear()
 
     def reset(self) -> None:
-        """Forget the current iteration (after an exception); in-flight reductions are dropped."""
+        """Forget the current iteration (after an exception); in-flight reductions are dropped.
+
+        Plugins' per-root objects in ``stash`` that have a ``reset()`` method are reset too
+        (e.g. the hsdp plugin drops its in-flight all-reduces and partial sums).
+        """
         for _, reductions in self.pending_reductions:
             for red in reductions:
                 red.handle.abandon()
+        for value in self.stash.values():
+            reset = getattr(value, "reset", None)
+            if callable(reset):
+                reset()
         self.pending_reductions = []
         self.iter_forward_root = None
         self.in_backward = False

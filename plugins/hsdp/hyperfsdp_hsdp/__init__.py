@@ -1,0 +1,1 @@
+"""HSDP and replicated parameters for hyperfsdp (entry point ``hsdp``)."""

@@ -1,0 +1,231 @@
+"""HSDP plugin: parity against a single-process reference on the global batch (world 4)."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+
+from hyperfsdp_core import collectives as coll
+from hyperfsdp_core import fully_shard
+from hyperfsdp_core.testing.reference import (
+    Transformer,
+    assert_close_params,
+    lm_loss,
+    local_slice,
+    token_batch,
+)
+
+VOCAB = 37
+
+
+class Count:
+    """Counts hyperfsdp's collectives (kind, group size) at its call sites."""
+
+    def __init__(self):
+        self.calls = []
+        self._orig = (coll._all_gather, coll._reduce_scatter, coll._all_reduce)
+
+    def __enter__(self):
+        def wrap(kind, fn):
+            def call(*args, **kwargs):
+                self.calls.append((kind, dist.get_world_size(kwargs.get("group"))))
+                return fn(*args, **kwargs)
+
+            return call
+
+        coll._all_gather, coll._reduce_scatter, coll._all_reduce = (
+            wrap("ag", self._orig[0]),
+            wrap("rs", self._orig[1]),
+            wrap("ar", self._orig[2]),
+        )
+        return self
+
+    def __exit__(self, *exc):
+        coll._all_gather, coll._reduce_scatter, coll._all_reduce = self._orig
+
+    def count(self, kind):
+        return sum(1 for k, _ in self.calls if k == kind)
+
+
+def build():
+    torch.manual_seed(0)
+    return Transformer(vocab=VOCAB, dim=16, n_layers=2, n_heads=2, hidden=27)
+
+
+def mesh_for(shape):
+    if len(shape) == 1:
+        return init_device_mesh("cpu", shape)
+    return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+
+
+def shard(model, mesh, replicate=None, **kwargs):
+    replicate = replicate or (lambda module: set())
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, replicate_params=replicate(block), **kwargs)
+    fully_shard(model, mesh=mesh, replicate_params=replicate(model) - _in_blocks(model), **kwargs)
+    return model
+
+
+def _in_blocks(model):
+    return {p for block in model.layers for p in block.parameters()}
+
+
+def norms(module):
+    return {p for name, p in module.named_parameters() if "norm" in name}
+
+
+def train(model, ref, steps=3, divide_factor=None, micro=1, counts=None):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    world = dist.get_world_size()
+    if divide_factor is not None:
+        for m in [model, *model.layers]:
+            m.set_gradient_divide_factor(divide_factor)
+    for step in range(steps):
+        for i in range(micro):
+            last = i == micro - 1
+            if micro > 1:
+                model.set_requires_all_reduce(last)
+            x, y = token_batch(10 * step + i, 2 * world, 5, VOCAB)
+            with Count() as c:
+                lm_loss(model(local_slice(x)), local_slice(y)).backward()
+            if counts is not None:
+                counts.append(c.calls)
+            ref_loss = lm_loss(ref(x), y)
+            if divide_factor is not None:  # gradients summed over ranks, divided by the factor
+                ref_loss = ref_loss * world / divide_factor
+            ref_loss.backward()
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    assert_close_params(model, ref)
+
+
+def parity(shape, replicate_norms=False):
+    model = build()
+    ref = copy.deepcopy(model)
+    mesh = mesh_for(shape)
+    shard(model, mesh, norms if replicate_norms else None)
+    counts = []
+    train(model, ref, counts=counts)
+    w = model.layers[0].attn.wqkv.weight
+    plan = {
+        row.fqn: (row.mesh_kind, row.shard_size, row.replicate_size, row.needs_all_gather)
+        for row in model.sharding_plan()
+    }
+    return tuple(w.placements), counts[-1], plan
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (4, 1), (1, 4)])
+def test_hsdp_parity(run_ranks, shape):
+    r, s = shape
+    for placements, calls, plan in run_ranks(4, parity, shape):
+        assert placements == (Replicate(), Shard(0))
+        assert plan["layers.0.attn.wqkv.weight"] == ("HSDP", s, r, s > 1)
+        units = 3  # two blocks and the root
+        gathers = [n for k, n in calls if k == "ag"]
+        assert gathers == ([s] * (2 * 2 + 1) if s > 1 else [])  # (4, 1): never all-gathers
+        assert [n for k, n in calls if k == "rs"] == ([s] * units if s > 1 else [])
+        # one all-reduce per unit over the replicate group (one dtype, one group each)
+        assert [n for k, n in calls if k == "ar"] == ([r] * units if r > 1 else [])
+
+
+def test_replicate_params_on_1d_and_2d_meshes(run_ranks):
+    for shape in [(4,), (2, 2)]:
+        for _, calls, plan in run_ranks(4, parity, shape, True):
+            assert plan["layers.0.attn_norm.weight"] == ("DDP", 1, 4, False)  # all R*S ranks
+            assert plan["norm.weight"] == ("DDP", 1, 4, False)
+            kinds = {kind for kind, *_ in plan.values()}
+            assert kinds == {"DDP", "FSDP" if len(shape) == 1 else "HSDP"}
+            ar_sizes = sorted(n for k, n in calls if k == "ar")
+            if len(shape) == 1:  # only the replicated norms all-reduce, once per unit
+                assert ar_sizes == [4, 4, 4]
+            else:  # per unit: one over the replicate group, one over all ranks
+                assert ar_sizes == [2, 2, 2, 4, 4, 4]
+
+
+def alias_path():
+    model = build()
+    mesh = mesh_for((4, 1))
+    shard(model, mesh)
+    model(local_slice(token_batch(0, 8, 5, VOCAB)[0])).sum().backward()
+    ctx = model._hyperfsdp_state.ctx
+    block = model.layers[0]
+    block._hyperfsdp_state.group.unshard(ctx.comm)
+    block._hyperfsdp_state.group.wait_for_unshard(ctx.comm)
+    hp = block._hyperfsdp_state.group.params[0]
+    return {
+        "aliases": hp.unsharded_param.data_ptr() == hp.sharded_param.to_local().data_ptr(),
+        "owner": str(hp.storage_owner),
+        "gathers": ctx.comm.stats.all_gathers,
+        "pooled_bytes": ctx.comm.pool.nbytes,  # no all-gather (or other) buffer was ever taken
+    }
+
+
+def test_shard_size_one_aliases_the_local_shard(run_ranks):
+    for info in run_ranks(4, alias_path):
+        assert info == {
+            "aliases": True,
+            "owner": "sharded_storage",
+            "gathers": 0,
+            "pooled_bytes": 0,
+        }
+
+
+def mixed_unit_groups():
+    """A unit holding HSDP-sharded and replicated parameters forms two all-reduce groups."""
+    model = build()
+    ref = copy.deepcopy(model)
+    mesh = mesh_for((2, 2))
+    shard(model, mesh, norms)
+    counts = []
+    train(model, ref, steps=2, counts=counts)
+    state = model.layers[0]._hyperfsdp_state
+    kinds = sorted(b.mesh_info.kind for b in state.group.buckets)
+    return kinds, sorted(n for k, n in counts[-1] if k == "ar")
+
+
+def test_unit_mixing_sharded_and_replicated_params(run_ranks):
+    for kinds, ar_sizes in run_ranks(4, mixed_unit_groups):
+        assert kinds == ["DDP", "HSDP"]
+        assert ar_sizes == [2, 2, 2, 4, 4, 4]
+
+
+def accumulate_reduce_scatter_only():
+    model = build()
+    ref = copy.deepcopy(model)
+    shard(model, mesh_for((2, 2)))
+    counts = []
+    train(model, ref, steps=2, micro=3, counts=counts)
+    return [sum(1 for k, _ in calls if k == "ar") for calls in counts]
+
+
+def test_accumulation_with_requires_all_reduce_false(run_ranks):
+    for ars in run_ranks(4, accumulate_reduce_scatter_only):
+        assert ars == [0, 0, 3] * 2  # reduce-scatter every micro-batch, all-reduce the last
+
+
+@pytest.mark.parametrize("divide_factor", [None, 1.0, 2.0])
+def test_sum_and_average_semantics(run_ranks, divide_factor):
+    assert run_ranks(4, semantics, divide_factor) == [True] * 4
+
+
+def semantics(divide_factor):
+    """AVG (default: divide by R*S) or SUM (factor 1): scaling is applied exactly once."""
+    model = build()
+    ref = copy.deepcopy(model)
+    shard(model, mesh_for((2, 2)), norms)
+    train(model, ref, steps=2, divide_factor=divide_factor)
+    return True
+
+
+def plan_text():
+    model = build()
+    shard(model, mesh_for((2, 2)), norms)
+    return str(model.sharding_plan())
+
+
+def test_sharding_plan_shows_topology(run_ranks):
+    text = run_ranks(4, plan_text)[0]
+    assert "HSDP s=2 r=2" in text and "DDP s=1 r=4" in text
