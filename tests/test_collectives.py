@@ -3,35 +3,11 @@
 import pytest
 import torch
 
-from hyperfsdp_core import collectives as coll
 from hyperfsdp_core import fully_shard
+from hyperfsdp_core.testing.counting import CollectiveCounter
 from hyperfsdp_core.testing.reference import Transformer, lm_loss, local_slice, token_batch
 
-
-class Counter:
-    """Wraps the collective functions hyperfsdp calls, counting calls and bytes."""
-
-    def __init__(self):
-        self.calls = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
-        self._orig = (coll._all_gather, coll._reduce_scatter, coll._all_reduce)
-
-    def __enter__(self):
-        ag, rs, ar = self._orig
-
-        def count(name, fn):
-            def wrapper(*args, **kwargs):
-                self.calls[name] += 1
-                return fn(*args, **kwargs)
-
-            return wrapper
-
-        coll._all_gather = count("all_gather", ag)
-        coll._reduce_scatter = count("reduce_scatter", rs)
-        coll._all_reduce = count("all_reduce", ar)
-        return self
-
-    def __exit__(self, *exc):
-        coll._all_gather, coll._reduce_scatter, coll._all_reduce = self._orig
+KINDS = (("all_gather", "ag"), ("reduce_scatter", "rs"), ("all_reduce", "ar"))
 
 
 def counts_per_step(reshard_after_forward, n_layers=3):
@@ -44,11 +20,11 @@ def counts_per_step(reshard_after_forward, n_layers=3):
     results = []
     for step in range(3):
         x, y = token_batch(step, 4, 5, 31)
-        with Counter() as counter:
+        with CollectiveCounter() as counter:
             lm_loss(model(local_slice(x)), local_slice(y)).backward()
         opt.step()
         opt.zero_grad()
-        results.append(dict(counter.calls))
+        results.append({kind: counter.count(short) for kind, short in KINDS})
     stats = model._hyperfsdp_state.ctx.comm.stats.snapshot()
     return results, stats
 

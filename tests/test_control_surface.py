@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hyperfsdp_core import UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
-from hyperfsdp_core import collectives as coll
+from hyperfsdp_core.testing.counting import CollectiveCounter
 from hyperfsdp_core.testing.reference import (
     MLPStack,
     Transformer,
@@ -23,36 +23,7 @@ from hyperfsdp_core.testing.reference import (
     token_batch,
 )
 
-
-class Count:
-    """Counts collectives at hyperfsdp's call sites, with the group size of each."""
-
-    def __init__(self):
-        self.calls = []
-        self._orig = (coll._all_gather, coll._reduce_scatter, coll._all_reduce)
-
-    def __enter__(self):
-        def wrap(kind, fn):
-            def call(*args, **kwargs):
-                group = kwargs.get("group")
-                op = kwargs.get("op")
-                self.calls.append(
-                    (kind, dist.get_world_size(group), str(op) if op is not None else None)
-                )
-                return fn(*args, **kwargs)
-
-            return call
-
-        coll._all_gather = wrap("ag", self._orig[0])
-        coll._reduce_scatter = wrap("rs", self._orig[1])
-        coll._all_reduce = wrap("ar", self._orig[2])
-        return self
-
-    def __exit__(self, *exc):
-        coll._all_gather, coll._reduce_scatter, coll._all_reduce = self._orig
-
-    def count(self, kind):
-        return sum(1 for k, *_ in self.calls if k == kind)
+Count = CollectiveCounter
 
 
 def shard_layers(model, **kwargs):

@@ -9,6 +9,7 @@ import torch.nn.utils.parametrize as parametrize
 from torch import nn
 
 from hyperfsdp_core import MixedPrecisionPolicy, fully_shard
+from hyperfsdp_core.testing.counting import CollectiveCounter
 from hyperfsdp_core.testing.reference import (
     Transformer,
     full,
@@ -141,8 +142,6 @@ class MixedModel(nn.Module):
 
 
 def mixed_dtypes_in_one_unit(use_policy):
-    from hyperfsdp_core import collectives as coll
-
     torch.manual_seed(0)
     model = MixedModel()
     ref = copy.deepcopy(model)
@@ -158,28 +157,14 @@ def mixed_dtypes_in_one_unit(use_policy):
         cast_like_fsdp(ref, policy, skip=(ref.blocks[0],))
     unit = model.blocks[0]._hyperfsdp_state
     buckets = [(str(b.orig_dtype), len(b.params)) for b in unit.group.buckets]
-    counts = {"ag": 0, "rs": 0}
-    ag, rs = coll._all_gather, coll._reduce_scatter
-
-    def count(key, fn):
-        def wrapper(*a, **k):
-            counts[key] += 1
-            return fn(*a, **k)
-
-        return wrapper
-
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     per_step = []
     for step in range(3):
         x = torch.randn(8, 8, generator=torch.Generator().manual_seed(step))
-        coll._all_gather, coll._reduce_scatter = count("ag", ag), count("rs", rs)
-        counts.update(ag=0, rs=0)
-        try:
+        with CollectiveCounter() as counter:
             model(local_slice(x)).pow(2).mean().backward()
-        finally:
-            coll._all_gather, coll._reduce_scatter = ag, rs
-        per_step.append(dict(counts))
+        per_step.append({"ag": counter.count("ag"), "rs": counter.count("rs")})
         ref(x).pow(2).mean().backward()
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
     dtypes = {n: str(p.dtype) for n, p in model.named_parameters()}

@@ -8,8 +8,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
-from hyperfsdp_core import collectives as coll
 from hyperfsdp_core import fully_shard
+from hyperfsdp_core.testing.counting import CollectiveCounter
 from hyperfsdp_core.testing.reference import (
     Transformer,
     assert_close_params,
@@ -21,33 +21,7 @@ from hyperfsdp_core.testing.reference import (
 VOCAB = 37
 
 
-class Count:
-    """Counts hyperfsdp's collectives (kind, group size) at its call sites."""
-
-    def __init__(self):
-        self.calls = []
-        self._orig = (coll._all_gather, coll._reduce_scatter, coll._all_reduce)
-
-    def __enter__(self):
-        def wrap(kind, fn):
-            def call(*args, **kwargs):
-                self.calls.append((kind, dist.get_world_size(kwargs.get("group"))))
-                return fn(*args, **kwargs)
-
-            return call
-
-        coll._all_gather, coll._reduce_scatter, coll._all_reduce = (
-            wrap("ag", self._orig[0]),
-            wrap("rs", self._orig[1]),
-            wrap("ar", self._orig[2]),
-        )
-        return self
-
-    def __exit__(self, *exc):
-        coll._all_gather, coll._reduce_scatter, coll._all_reduce = self._orig
-
-    def count(self, kind):
-        return sum(1 for k, _ in self.calls if k == kind)
+Count = CollectiveCounter
 
 
 def build():
@@ -124,11 +98,11 @@ def test_hsdp_parity(run_ranks, shape):
         assert placements == (Replicate(), Shard(0))
         assert plan["layers.0.attn.wqkv.weight"] == ("HSDP", s, r, s > 1)
         units = 3  # two blocks and the root
-        gathers = [n for k, n in calls if k == "ag"]
+        gathers = [n for k, n, _ in calls if k == "ag"]
         assert gathers == ([s] * (2 * 2 + 1) if s > 1 else [])  # (4, 1): never all-gathers
-        assert [n for k, n in calls if k == "rs"] == ([s] * units if s > 1 else [])
+        assert [n for k, n, _ in calls if k == "rs"] == ([s] * units if s > 1 else [])
         # one all-reduce per unit over the replicate group (one dtype, one group each)
-        assert [n for k, n in calls if k == "ar"] == ([r] * units if r > 1 else [])
+        assert [n for k, n, _ in calls if k == "ar"] == ([r] * units if r > 1 else [])
 
 
 def test_replicate_params_on_1d_and_2d_meshes(run_ranks):
@@ -138,7 +112,7 @@ def test_replicate_params_on_1d_and_2d_meshes(run_ranks):
             assert plan["norm.weight"] == ("DDP", 1, 4, False)
             kinds = {kind for kind, *_ in plan.values()}
             assert kinds == {"DDP", "FSDP" if len(shape) == 1 else "HSDP"}
-            ar_sizes = sorted(n for k, n in calls if k == "ar")
+            ar_sizes = sorted(n for k, n, _ in calls if k == "ar")
             if len(shape) == 1:  # only the replicated norms all-reduce, once per unit
                 assert ar_sizes == [4, 4, 4]
             else:  # per unit: one over the replicate group, one over all ranks
@@ -183,7 +157,7 @@ def mixed_unit_groups():
     train(model, ref, steps=2, counts=counts)
     state = model.layers[0]._hyperfsdp_state
     kinds = sorted(b.mesh_info.kind for b in state.group.buckets)
-    return kinds, sorted(n for k, n in counts[-1] if k == "ar")
+    return kinds, sorted(n for k, n, _ in counts[-1] if k == "ar")
 
 
 def test_unit_mixing_sharded_and_replicated_params(run_ranks):
@@ -198,7 +172,7 @@ def accumulate_reduce_scatter_only():
     shard(model, mesh_for((2, 2)))
     counts = []
     train(model, ref, steps=2, micro=3, counts=counts)
-    return [sum(1 for k, _ in calls if k == "ar") for calls in counts]
+    return [sum(1 for k, *_ in calls if k == "ar") for calls in counts]
 
 
 def test_accumulation_with_requires_all_reduce_false(run_ranks):

@@ -1,0 +1,52 @@
+"""Count the collectives hyperfsdp issues, at the point where it calls torch.distributed."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from .. import collectives as _coll
+
+KINDS = {"_all_gather": "ag", "_reduce_scatter": "rs", "_all_reduce": "ar"}
+
+
+class CollectiveCounter:
+    """Context manager recording ``(kind, group size, reduce op or None)`` per collective.
+
+    ``kind`` is ``"ag"``, ``"rs"`` or ``"ar"``. Custom comms set with
+    ``set_custom_all_gather``/``set_custom_reduce_scatter`` bypass these call sites.
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, str | None]] = []
+        self._orig: dict[str, object] = {}
+
+    def __enter__(self) -> CollectiveCounter:
+        for attr, kind in KINDS.items():
+            fn = getattr(_coll, attr)
+            self._orig[attr] = fn
+            setattr(_coll, attr, self._wrap(kind, fn))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for attr, fn in self._orig.items():
+            setattr(_coll, attr, fn)
+
+    def _wrap(self, kind: str, fn):
+        def call(*args, **kwargs):
+            op = kwargs.get("op")
+            self.calls.append(
+                (
+                    kind,
+                    dist.get_world_size(kwargs.get("group")),
+                    str(op) if op is not None else None,
+                )
+            )
+            return fn(*args, **kwargs)
+
+        return call
+
+    def count(self, kind: str) -> int:
+        return sum(1 for k, *_ in self.calls if k == kind)
+
+    def sizes(self, kind: str) -> list[int]:
+        return [n for k, n, _ in self.calls if k == kind]
