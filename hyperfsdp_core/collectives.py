@@ -41,13 +41,19 @@ class CommStats:
 
 
 class Handle:
-    """A pending collective. ``wait()`` is idempotent."""
+    """A pending collective. ``wait()`` is idempotent.
 
-    __slots__ = ("_done", "_event", "_work", "keepalive")
+    On CPU it wraps a work handle (``wait()`` blocks until gloo is done); on an
+    accelerator an event recorded on the communication stream (``wait()`` makes the
+    current stream wait for it, without blocking the host).
+    """
 
-    def __init__(self, work=None, event=None, keepalive=None) -> None:
+    __slots__ = ("_done", "_event", "_module", "_work", "keepalive")
+
+    def __init__(self, work=None, event=None, keepalive=None, module=None) -> None:
         self._work = work
         self._event = event
+        self._module = module
         self._done = work is None and event is None
         self.keepalive = keepalive
 
@@ -57,9 +63,7 @@ class Handle:
         if self._work is not None:
             self._work.wait()
         if self._event is not None:
-            torch.get_device_module(self._event.device.type).current_stream().wait_event(
-                self._event
-            )
+            self._module.current_stream().wait_event(self._event)
         self._done = True
         self._work = self._event = None
         self.keepalive = None
@@ -183,11 +187,14 @@ class Comm:
         with self._module.stream(stream):
             call()
             event = stream.record_event()
-        return Handle(event=event, keepalive=keepalive)
+        return Handle(event=event, keepalive=keepalive, module=self._module)
+
+    def current_stream(self):
+        return self._module.current_stream()
 
     def _on_stream(self, stream, fn, args, kwargs, keepalive) -> Handle:
         stream.wait_stream(self._module.current_stream())
         with self._module.stream(stream):
             fn(*args, **kwargs)
             event = stream.record_event()
-        return Handle(event=event, keepalive=keepalive)
+        return Handle(event=event, keepalive=keepalive, module=self._module)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .collectives import Comm
 from .context import RootContext
@@ -234,7 +234,7 @@ class FSDPState:
             return self._transform_inputs(args, kwargs)
         if ctx.iter_forward_root is None and not ctx.in_backward:
             ctx.iter_forward_root = self
-            self._root_pre_forward(ctx)
+            args, kwargs = self._root_pre_forward(ctx, args, kwargs)
         first_in_pass = self.training_state is not S.PRE_FORWARD
         self._transition("forward_pre")
         self.prefetched = False
@@ -255,17 +255,27 @@ class FSDPState:
             args, kwargs = self._register_post_backward(args, kwargs)
         return self._transform_inputs(args, kwargs)
 
-    def _root_pre_forward(self, ctx: RootContext) -> None:
+    def _root_pre_forward(self, ctx: RootContext, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         event, self.post_optim_event = self.post_optim_event, None
         comm = ctx.comm
-        if not comm.is_cpu:
-            # The optimizer step must finish before all-gathers read the sharded params.
-            if event is not None:
-                comm.all_gather_stream.wait_event(event)
-            else:
-                comm.all_gather_stream.wait_stream(
-                    torch.get_device_module(self.device.type).current_stream()
-                )
+        if comm.is_cpu:
+            return args, kwargs
+        # The optimizer step must finish before all-gathers read the sharded params.
+        if event is not None:
+            comm.all_gather_stream.wait_event(event)
+        else:
+            comm.all_gather_stream.wait_stream(comm.current_stream())
+        # As FSDP2 does: move the forward's tensor inputs to the device.
+        device = self.device
+
+        def to_device(x):
+            return (
+                x.to(device, non_blocking=True)
+                if isinstance(x, torch.Tensor) and x.device != device
+                else x
+            )
+
+        return tree_map(to_device, args), tree_map(to_device, kwargs)
 
     def _forward_prefetch(self, ctx: RootContext) -> None:
         targets = self.forward_prefetch
