@@ -138,10 +138,8 @@ class Reduction:
         out = self.output
         for p, seg, present in zip(self.members, self.segments, self.present):
             if present:
-                numel = p.layout.actual_numel
-                p.apply_sharded_grad(
-                    out[seg.offset : seg.offset + numel].view(p.layout.actual_shape)
-                )
+                start = seg.offset
+                p.apply_sharded_grad(out[start : start + p.actual_numel].view(p.actual_shape))
 
 
 class Bucket:
@@ -379,16 +377,18 @@ class Bucket:
             present = [True] * len(members)
         scale = 1.0 / self.divide_factor if self.divide_factor != 1 else None
         world, rdtype = self.world, self.reduce_dtype
-        if world == 1:
-            pack = None
-            output = torch.empty(total, dtype=rdtype, device=self.device)
-            out2d = output.view(1, total)
-            for plan, g in zip(plans, grads):
-                plan.pack(out2d, g)
+        g0 = grads[0]
+        if world == 1:  # nothing to reduce-scatter: the local gradient is the shard's
+            if len(members) == 1 and g0 is not None and g0.dtype == rdtype and g0.is_contiguous():
+                output = g0.view(-1)  # ours: taken from the unsharded parameter
+            else:
+                output = torch.empty(total, dtype=rdtype, device=self.device)
+                out2d = output.view(1, total)
+                for plan, g in zip(plans, grads):
+                    plan.pack(out2d, g)
             if scale is not None:
                 output.mul_(scale)
             return Reduction(self, output, _READY, None, members, segments, present)
-        g0 = grads[0]
         custom = self.custom_reduce_scatter
         direct = (
             custom is None

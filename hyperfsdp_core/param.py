@@ -69,6 +69,9 @@ class HSDPParam:
             self.global_shape, shard_dim, world=mesh_info.shard_size, rank=mesh_info.shard_rank
         )
         self.placements = placements_for(mesh_info, shard_dim)
+        # hot-path copies of the (immutable) layout facts
+        self.actual_shape = self.layout.actual_shape
+        self.actual_numel = self.layout.actual_numel
         self.stash: dict[Any, Any] = {}
         self.storage_owner = StorageOwner.SHARDED_STORAGE
         self.sharded_param: nn.Parameter = param  # replaced by the DTensor in install_sharded

@@ -298,6 +298,16 @@ class FSDPState:
         return output
 
     def _register_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+            # the common case (positional tensors only) without a pytree round trip
+            idx = [i for i, a in enumerate(args) if a.requires_grad]
+            if not idx:
+                return args, kwargs
+            outs = RegisterPostBackward.apply(self, *(args[i] for i in idx))
+            new = list(args)
+            for i, t in zip(idx, outs):
+                new[i] = t
+            return tuple(new), kwargs
         leaves, spec, idx = _grad_tensors((args, kwargs))
         if not idx:
             return args, kwargs
@@ -352,6 +362,10 @@ class FSDPState:
 
     def _register_pre_backward(self, output: Any) -> Any:
         if not torch.is_grad_enabled():
+            return output
+        if isinstance(output, torch.Tensor):  # the common case, without a pytree walk
+            if output.requires_grad:
+                output.register_hook(self.pre_backward)
             return output
         leaves, _, idx = _grad_tensors(output)
         for i in idx:
