@@ -39,9 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser("plugins", help="list installed plugins and the finalization order")
     p.set_defaults(func=_cmd_plugins)
-    from . import demo
+    from . import bench, demo
 
     demo.add_parser(sub)
+    bench.add_parser(sub)
     return parser
 
 

@@ -1,0 +1,126 @@
+"""The benchmark matrix: configurations, world sizes, depths, and the quick/full presets."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import attrs
+
+from .impls import ALL_IMPLS, CaseSpec
+from .model import ModelConfig
+
+#: Model configurations (``--config``). Dims: ~11M parameters at 8 layers.
+CONFIGS = {
+    "even": "dims divisible by every world size, fp32",
+    "uneven": "vocab 8193 and MLP hidden 705 (not divisible by the world size), fp32",
+    "bf16": "bf16 compute, fp32 reduce (MixedPrecisionPolicy; DDP/floor use autocast)",
+    "no-reshard": "reshard_after_forward=False, fp32",
+    "host-overhead": "64 tiny blocks (dim 32): per-unit host cost, compute negligible",
+}
+MODEL_CONFIGS = ("even", "uneven", "bf16", "no-reshard")
+HOST_OVERHEAD = "host-overhead"
+HOST_OVERHEAD_IMPLS = ("hyperfsdp", "fsdp2", "floor", "hyperfsdp-tuned")
+
+_EVEN = {"vocab": 8192, "dim": 256, "n_heads": 4, "hidden": 704, "seq_len": 128, "batch": 4}
+_UNEVEN = {**_EVEN, "vocab": 8193, "hidden": 705}
+_TINY = {"vocab": 128, "dim": 32, "n_heads": 2, "hidden": 64, "seq_len": 16, "batch": 2}
+
+
+@attrs.frozen
+class Case:
+    config: str
+    world: int
+    layers: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.config} w{self.world} L{self.layers}"
+
+    @property
+    def key(self) -> str:
+        return f"{self.config}-w{self.world}-l{self.layers}"
+
+    @property
+    def is_host_overhead(self) -> bool:
+        return self.config == HOST_OVERHEAD
+
+    def spec(self) -> CaseSpec:
+        dims = {"uneven": _UNEVEN, HOST_OVERHEAD: _TINY}.get(self.config, _EVEN)
+        model = ModelConfig(n_layers=self.layers, **dims)
+        return CaseSpec(
+            model=model,
+            precision="bf16" if self.config == "bf16" else "fp32",
+            reshard_after_forward=False if self.config == "no-reshard" else None,
+        )
+
+    def impls(self, selected: Sequence[str]) -> tuple[str, ...]:
+        allowed = HOST_OVERHEAD_IMPLS if self.is_host_overhead else ALL_IMPLS
+        return tuple(i for i in ALL_IMPLS if i in selected and i in allowed)
+
+
+QUICK = (
+    Case("even", 2, 8),
+    Case("uneven", 2, 8),
+    Case("bf16", 2, 8),
+    Case("no-reshard", 2, 8),
+    Case("even", 4, 8),
+    Case("even", 2, 4),
+    Case("even", 2, 16),
+    Case(HOST_OVERHEAD, 1, 64),
+    Case(HOST_OVERHEAD, 2, 64),
+)
+FULL = (
+    *(Case(c, w, n) for c, w, n in itertools.product(MODEL_CONFIGS, (2, 4), (4, 8, 16))),
+    Case(HOST_OVERHEAD, 1, 64),
+    Case(HOST_OVERHEAD, 2, 64),
+)
+
+
+@attrs.frozen
+class Preset:
+    name: str
+    cases: tuple[Case, ...]
+    steps: int  # timed steps per implementation, split over the rounds
+    rounds: int
+    warmup: int
+
+
+PRESETS = {
+    "quick": Preset("quick", QUICK, steps=8, rounds=2, warmup=3),
+    "full": Preset("full", FULL, steps=30, rounds=5, warmup=3),
+}
+
+
+def select_cases(
+    preset: Preset,
+    configs: Sequence[str] | None,
+    worlds: Sequence[int] | None,
+    layers: Sequence[int] | None,
+) -> list[Case]:
+    """The preset's cases that match every selector, plus the product of the selectors.
+
+    Without selectors: the preset's cases. ``--world-size``/``--layers`` alone filter
+    the preset. With ``--config``, every combination of the given configs, world
+    sizes and depths also runs, the ones left out taking the main values (world 2,
+    8 layers; host-overhead: worlds 1 and 2, 64 blocks): ``--config uneven
+    --world-size 4`` runs ``uneven w4 L8`` even though the quick preset lacks it.
+    """
+    if not (configs or worlds or layers):
+        return list(preset.cases)
+
+    def keep(c: Case) -> bool:
+        return (
+            (not configs or c.config in configs)
+            and (not worlds or c.world in worlds)
+            and (not layers or c.layers in layers)
+        )
+
+    chosen = [c for c in preset.cases if keep(c)]
+    for config in configs or ():
+        host = config == HOST_OVERHEAD
+        for w, n in itertools.product(
+            worlds or ((1, 2) if host else (2,)), (64,) if host else (layers or (8,))
+        ):
+            chosen.append(Case(config, w, n))
+    return list(dict.fromkeys(chosen))

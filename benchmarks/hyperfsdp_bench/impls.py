@@ -1,0 +1,111 @@
+"""The implementations compared: hyperfsdp, torch FSDP2, DDP and a compute-only floor."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import attrs
+import torch
+from torch import nn
+
+from .model import ModelConfig, build_model
+
+IMPLS = ("hyperfsdp", "fsdp2", "ddp", "floor")
+#: Opt-in variants (``--impl``): hyperfsdp with its CPU communication knobs turned on, to
+#: measure what they buy: reduce-scatters on their own process group (own gloo threads)
+#: and two reduce-scatters in flight before post-backward waits.
+VARIANTS = ("hyperfsdp-tuned",)
+ALL_IMPLS = IMPLS + VARIANTS
+#: Implementations that run under torch.distributed (the floor runs one independent process per rank).
+DISTRIBUTED = frozenset({"hyperfsdp", "fsdp2", "ddp", "hyperfsdp-tuned"})
+
+
+def _tune_hyperfsdp(model: nn.Module) -> list[str]:
+    """Apply the knobs this engine version has; returns the ones applied."""
+    applied = []
+    for name, args in (
+        ("set_separate_reduce_scatter_group", (True,)),
+        ("set_reduce_scatter_max_input_buffers", (2,)),
+    ):
+        setter = getattr(model, name, None)
+        if setter is not None:
+            setter(*args)
+            applied.append(name)
+    return applied
+
+
+@attrs.frozen
+class CaseSpec:
+    """Everything a rank needs to build one implementation of one benchmark case."""
+
+    model: ModelConfig
+    precision: str = "fp32"  # "fp32" or "bf16" (bf16 compute, fp32 reduce)
+    reshard_after_forward: bool | None = None  # None: the FSDP default
+    seed: int = 1234
+    lr: float = 1e-3
+
+
+@attrs.define
+class Built:
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    n_units: int = 0
+
+
+def _autocast_bf16() -> contextlib.AbstractContextManager:
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+def _shard(model: nn.Module, fully_shard, mp_policy_cls, spec: CaseSpec) -> int:
+    kwargs = {}
+    if spec.precision == "bf16":
+        kwargs["mp_policy"] = mp_policy_cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if spec.reshard_after_forward is not None:
+        kwargs["reshard_after_forward"] = spec.reshard_after_forward
+    for layer in model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return len(model.layers) + 1
+
+
+def build(impl: str, spec: CaseSpec) -> Built:
+    model = build_model(spec.model, spec.seed)
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    n_units = 0
+    if impl in ("hyperfsdp", "hyperfsdp-tuned"):
+        from hyperfsdp_core import MixedPrecisionPolicy, fully_shard
+
+        n_units = _shard(model, fully_shard, MixedPrecisionPolicy, spec)
+        if impl == "hyperfsdp-tuned" and not _tune_hyperfsdp(model):
+            raise RuntimeError("hyperfsdp-tuned: this engine version has none of the knobs")
+    elif impl == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        n_units = _shard(model, fully_shard, MixedPrecisionPolicy, spec)
+    elif impl == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model)
+        if spec.precision == "bf16":  # bf16 compute, gradients (and their all-reduce) in fp32
+            autocast = _autocast_bf16
+    elif impl == "floor":
+        if spec.precision == "bf16":
+            autocast = _autocast_bf16
+    else:
+        raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join(ALL_IMPLS)}")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.1)
+    return Built(model, optimizer, autocast, n_units)
+
+
+def ddp_comm(model: nn.Module) -> dict[str, dict[str, int]]:
+    """All-reduces per step and their bytes for DDP's C++ reducer (invisible to Python wrappers).
+
+    Read from DDP's logging data: the buckets as rebuilt after the first iteration.
+    """
+    data = model._get_ddp_logging_data()  # type: ignore[operator]
+    text = str(data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or "")
+    sizes = [int(s) for s in text.split(",") if s.strip()]
+    count = int(data.get("num_buckets_reduced") or len(sizes))
+    return {"calls": {"all_reduce": count}, "bytes": {"all_reduce": sum(sizes)}}

@@ -1,0 +1,244 @@
+"""What a rank process measures: collectives, resident memory, live state bytes, padding."""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+import threading
+from collections import defaultdict
+
+import torch
+
+# name -> how to find the bytes a call moves: ("out"|"in"|"tensor"|"list", positional index)
+_COLLECTIVES = {
+    "all_gather_into_tensor": ("tensor", 0),  # output: the gathered buffer
+    "all_gather_single": ("tensor", 0),
+    "_all_gather_base": ("tensor", 0),
+    "all_gather": ("list", 0),  # tensor_list output
+    "all_gather_coalesced": ("lists", 0),
+    "reduce_scatter_tensor": ("tensor", 1),  # input: the full buffer
+    "reduce_scatter_single": ("tensor", 1),
+    "_reduce_scatter_base": ("tensor", 1),
+    "reduce_scatter": ("list", 1),  # input_list
+    "all_reduce": ("tensor", 0),
+    "all_reduce_coalesced": ("list", 0),
+    "broadcast": ("tensor", 0),
+    "all_to_all_single": ("tensor", 1),
+    "all_to_all": ("list", 1),
+    "reduce": ("tensor", 0),
+}
+_KWARG_NAMES = {
+    ("tensor", 0): ("output_tensor", "output", "tensor"),
+    ("tensor", 1): ("input_tensor", "input", "input_"),
+    ("list", 0): ("tensor_list", "output_tensor_lists", "tensors"),
+    ("list", 1): ("input_list", "input_tensor_list"),
+    ("lists", 0): ("output_tensor_lists",),
+}
+
+
+def _nbytes(t) -> int:
+    if isinstance(t, torch.Tensor):
+        return t.numel() * t.element_size()
+    if isinstance(t, (list, tuple)):
+        return sum(_nbytes(x) for x in t)
+    return 0
+
+
+class CollectiveCounter:
+    """Counts every collective issued through ``torch.distributed``'s Python API in this process.
+
+    The wrappers replace the functions in ``torch.distributed`` and
+    ``torch.distributed.distributed_c10d`` *and* every module-level alias of them
+    already imported (hyperfsdp binds ``dist.all_gather_single`` at import time),
+    so hyperfsdp, FSDP2 and anything else calling the Python API share one counter.
+    Nested calls (one public collective implemented with another) count once.
+    DDP's C++ reducer bypasses the Python API: its all-reduces are counted from
+    DDP's own logging data instead (see ``impls.ddp_comm``).
+    """
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = defaultdict(int)
+        self.bytes: dict[str, int] = defaultdict(int)
+        self._local = threading.local()
+        self.installed: list[str] = []
+        self.aliases: list[str] = []
+
+    def install(self) -> None:
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        originals = {}
+        for name, (kind, index) in _COLLECTIVES.items():
+            fn = getattr(c10d, name, None) or getattr(dist, name, None)
+            if fn is None or getattr(fn, "_hyperfsdp_bench_wrapped", False):
+                continue
+            wrapper = self._wrap(name, fn, kind, index)
+            originals[id(fn)] = (fn, wrapper)
+            for mod in (dist, c10d):
+                if getattr(mod, name, None) is fn:
+                    setattr(mod, name, wrapper)
+            self.installed.append(name)
+        # Rebind aliases bound before we got here (``_all_gather = dist.all_gather_single``).
+        for mod_name, mod in list(sys.modules.items()):
+            if mod is None or not mod_name.startswith(("hyperfsdp", "torch.distributed")):
+                continue
+            try:
+                items = list(vars(mod).items())
+            except TypeError:
+                continue
+            for attr, value in items:
+                entry = originals.get(id(value))
+                if entry is not None and entry[0] is value:
+                    setattr(mod, attr, entry[1])
+                    self.aliases.append(f"{mod_name}.{attr}")
+
+    def _wrap(self, name: str, fn, kind: str, index: int):
+        local = self._local
+        calls, nbytes = self.calls, self.bytes
+        kw_names = _KWARG_NAMES.get((kind, index), ())
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            depth = getattr(local, "depth", 0)
+            if depth == 0:
+                calls[name] += 1
+                arg = args[index] if len(args) > index else None
+                if arg is None:
+                    for k in kw_names:
+                        if k in kwargs:
+                            arg = kwargs[k]
+                            break
+                nbytes[name] += _nbytes(arg)
+            local.depth = depth + 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                local.depth = depth
+
+        wrapper._hyperfsdp_bench_wrapped = True  # type: ignore[attr-defined]
+        return wrapper
+
+    def snapshot(self) -> tuple[dict[str, int], dict[str, int]]:
+        return dict(self.calls), dict(self.bytes)
+
+
+def diff(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    out = {k: v - before.get(k, 0) for k, v in after.items()}
+    return {k: v for k, v in out.items() if v}
+
+
+# -- memory ----------------------------------------------------------------------------------------
+
+
+def _status_kb(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def rss_bytes() -> int | None:
+    kb = _status_kb("VmRSS")
+    return None if kb is None else kb * 1024
+
+
+def peak_rss_bytes() -> int | None:
+    kb = _status_kb("VmHWM")
+    return None if kb is None else kb * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False where not permitted."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+# -- live state ------------------------------------------------------------------------------------
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+def live_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of this rank's parameters, gradients and optimizer state (local tensors).
+
+    ``*_bytes`` sum the local tensors' logical sizes (no padding); ``storage_bytes``
+    sums the distinct storages behind them (padding and flat buffers included).
+    """
+    params = grads = optim = 0
+    storages: dict[int, int] = {}
+
+    def visit(t: torch.Tensor) -> int:
+        loc = _local(t)
+        if loc.device.type != "meta":
+            st = loc.untyped_storage()
+            storages[st.data_ptr()] = max(storages.get(st.data_ptr(), 0), st.nbytes())
+        return loc.numel() * loc.element_size()
+
+    for p in model.parameters():
+        params += visit(p)
+        if p.grad is not None:
+            grads += visit(p.grad)
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                optim += visit(v)
+    return {
+        "param_bytes": params,
+        "grad_bytes": grads,
+        "optim_bytes": optim,
+        "live_bytes": params + grads + optim,
+        "storage_bytes": sum(storages.values()),
+    }
+
+
+def hyperfsdp_padding_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Padding hyperfsdp allocated on this rank, from ``sharding_plan()`` rows."""
+    rows = model.sharding_plan()
+    pad = 0
+    padded_params = 0
+    for row in rows:
+        extra = math.prod(row.padded_shape) - math.prod(row.local_shape)
+        if extra:
+            padded_params += 1
+            pad += extra * torch.empty((), dtype=row.orig_dtype).element_size()
+    return {"padding_bytes": pad, "padded_params": padded_params, "n_managed": len(rows)}
+
+
+def fsdp2_padding_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Padding FSDP2 allocated on this rank (its FSDPParams' padded sharded sizes; private API)."""
+    pad = 0
+    padded_params = 0
+    n = 0
+    seen: set[int] = set()
+    for module in model.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        state = get_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [group] if group is not None else []
+        for group in groups:
+            if id(group) in seen:
+                continue
+            seen.add(id(group))
+            for fp in group.fsdp_params:
+                n += 1
+                extra = fp.padded_sharded_param_size.numel() - fp.sharded_size.numel()
+                if extra:
+                    padded_params += 1
+                    pad += extra * fp._sharded_param_data.element_size()
+    return {"padding_bytes": pad, "padded_params": padded_params, "n_managed": n}

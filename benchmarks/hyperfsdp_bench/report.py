@@ -1,0 +1,240 @@
+"""Tables for the terminal and for docs/performance.md (ratios vs FSDP2 first)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+MiB = 1024 * 1024
+
+
+def _f(x, fmt: str = ".3f", none: str = "-") -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return none
+    return format(x, fmt)
+
+
+def _ratio(x) -> str:
+    return _f(x, ".2f") + "x" if x is not None else "-"
+
+
+def _range(xs: Sequence[float] | None) -> str:
+    if not xs:
+        return "-"
+    return f"{min(xs):.2f}-{max(xs):.2f}"
+
+
+def _table(headers: list[str], rows: list[list[str]], markdown: bool, right: set[int]) -> str:
+    if markdown:
+        lines = ["| " + " | ".join(headers) + " |"]
+        lines.append(
+            "|" + "|".join("---:" if i in right else "---" for i in range(len(headers))) + "|"
+        )
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        return "\n".join(lines)
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+
+    def fmt(r: list[str]) -> str:
+        cells = [
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))
+        ]
+        return "  ".join(cells).rstrip()
+
+    return "\n".join([fmt(headers), "  ".join("-" * w for w in widths), *map(fmt, rows)])
+
+
+def case_line(res: dict) -> str:
+    """One progress line per case."""
+    parts = []
+    for impl, r in res["impls"].items():
+        if r.get("status") != "ok":
+            parts.append(f"{impl} {r.get('status', '?')[:60]}")
+        else:
+            extra = (
+                f" ({r['ratio_vs_fsdp2']:.2f}x fsdp2)"
+                if impl == "hyperfsdp" and "ratio_vs_fsdp2" in r
+                else ""
+            )
+            parts.append(f"{impl} {r['median_s']:.3f}s{extra}")
+    return "; ".join(parts)
+
+
+def summary_table(results: dict, markdown: bool = False) -> str:
+    tuned = any("hyperfsdp-tuned" in res["impls"] for res in results["cases"])
+    headers = [
+        "case",
+        "hyperfsdp/FSDP2 time",
+        "per-round range",
+        "CPU/FSDP2",
+        "hyperfsdp/floor",
+        "FSDP2/floor",
+        "DDP/FSDP2",
+        *(["tuned/FSDP2"] if tuned else []),
+        "loss check",
+    ]
+    rows = []
+    for res in results["cases"]:
+        if res["config"] == "host-overhead":
+            continue
+        imp = res["impls"]
+        h, f, d = imp.get("hyperfsdp", {}), imp.get("fsdp2", {}), imp.get("ddp", {})
+        t = imp.get("hyperfsdp-tuned", {})
+        check = res.get("loss_check", {})
+        cstatus = check.get("status", "-")
+        if "hyperfsdp" in check.get("compared", {}):
+            worst = check["compared"]["hyperfsdp"]
+            cstatus += " (exact)" if worst == 0 else f" (rel {worst:.0e})"
+        tcol = [_ratio(t.get("ratio_vs_fsdp2"))] if tuned else []
+        if h.get("status", "ok") != "ok":
+            hcol = "FAILED loss check" if "loss check" in h["status"] else "error (see notes)"
+            rows.append(
+                [
+                    res["case"],
+                    hcol,
+                    "-",
+                    "-",
+                    "-",
+                    _ratio(f.get("ratio_vs_floor")),
+                    _ratio(d.get("ratio_vs_fsdp2")),
+                    *tcol,
+                    cstatus,
+                ]
+            )
+            continue
+        rows.append(
+            [
+                res["case"],
+                _ratio(h.get("ratio_vs_fsdp2")),
+                _range(h.get("round_ratios_vs_fsdp2")),
+                _ratio(h.get("cpu_ratio_vs_fsdp2")),
+                _ratio(h.get("ratio_vs_floor")),
+                _ratio(f.get("ratio_vs_floor")),
+                _ratio(d.get("ratio_vs_fsdp2")),
+                *tcol,
+                cstatus,
+            ]
+        )
+    return _table(headers, rows, markdown, right=set(range(1, len(headers) - 1)))
+
+
+def _note(notes: list[str], res: dict, impl: str, r: dict) -> str:
+    """Errors go under the tables as numbered notes; the cell says which."""
+    status = (r.get("status") or "?").strip().splitlines()[0]
+    notes.append(f"[{len(notes) + 1}] {res['case']} {impl}: {status[:300]}")
+    return ("FAILED" if "loss check" in status else "error") + f" [{len(notes)}]"
+
+
+def detail_table(results: dict, markdown: bool = False, notes: list[str] | None = None) -> str:
+    headers = [
+        "case",
+        "impl",
+        "median s",
+        "p90 s",
+        "xFSDP2",
+        "xfloor",
+        "CPU s/step",
+        "CPU xFSDP2",
+        "peak RSS MiB",
+        "live MiB",
+        "pad KiB",
+        "coll/step",
+        "MiB moved/step",
+    ]
+    notes = [] if notes is None else notes
+    rows = []
+    for res in results["cases"]:
+        if res["config"] == "host-overhead":
+            continue
+        for impl, r in res["impls"].items():
+            if r.get("status") != "ok":
+                rows.append([res["case"], impl, _note(notes, res, impl, r)] + [""] * 10)
+                continue
+            peak = max((x for x in r["peak_rss_bytes"] if x), default=None)
+            rows.append(
+                [
+                    res["case"],
+                    impl,
+                    _f(r["median_s"]),
+                    _f(r["p90_s"]),
+                    _ratio(r.get("ratio_vs_fsdp2")),
+                    _ratio(r.get("ratio_vs_floor")),
+                    _f(r["cpu_s_per_step"]),
+                    _ratio(r.get("cpu_ratio_vs_fsdp2")),
+                    _f(peak / MiB if peak else None, ".0f"),
+                    _f(max(r["live_bytes"]) / MiB, ".1f"),
+                    _f(max(r["padding_bytes"]) / 1024, ".1f"),
+                    _f(r["collectives_per_step"], ".0f"),
+                    _f(r["bytes_per_step"] / MiB, ".1f"),
+                ]
+            )
+    return _table(headers, rows, markdown, right=set(range(2, 13)))
+
+
+def host_overhead_table(
+    results: dict, markdown: bool = False, notes: list[str] | None = None
+) -> str:
+    headers = [
+        "case",
+        "impl",
+        "units",
+        "median ms/step",
+        "ms/unit/step",
+        "overhead ms/unit/step (minus floor)",
+        "xFSDP2",
+        "CPU ms/step",
+    ]
+    notes = [] if notes is None else notes
+    rows = []
+    for res in results["cases"]:
+        if res["config"] != "host-overhead":
+            continue
+        for impl, r in res["impls"].items():
+            if r.get("status") != "ok":
+                rows.append([res["case"], impl, "", _note(notes, res, impl, r)] + [""] * 4)
+                continue
+            rows.append(
+                [
+                    res["case"],
+                    impl,
+                    str(res["layers"] + 1),
+                    _f(r["median_s"] * 1e3, ".1f"),
+                    _f(r["s_per_unit_step"] * 1e3 if "s_per_unit_step" in r else None, ".3f"),
+                    _f(
+                        r["overhead_s_per_unit_step"] * 1e3
+                        if "overhead_s_per_unit_step" in r
+                        else None,
+                        ".3f",
+                    ),
+                    _ratio(r.get("ratio_vs_fsdp2")),
+                    _f(r["cpu_s_per_step"] * 1e3, ".1f"),
+                ]
+            )
+    return _table(headers, rows, markdown, right=set(range(2, 8)))
+
+
+def render(results: dict, markdown: bool = False) -> str:
+    m = results.get("machine", {})
+    title = (lambda s: f"### {s}\n") if markdown else (lambda s: f"== {s} ==")
+    notes: list[str] = []
+    parts = [
+        title("hyperfsdp vs FSDP2 (median step time ratio; <1 is faster)"),
+        summary_table(results, markdown),
+        "",
+        title("per implementation"),
+        detail_table(results, markdown, notes),
+    ]
+    host = host_overhead_table(results, markdown, notes)
+    if host.count("\n") > 1:
+        parts += ["", title("host overhead per unit (tiny blocks)"), host]
+    if notes:
+        parts += ["", "notes (tracebacks in the JSON):"]
+        parts += [("- " if markdown else "  ") + n for n in notes]
+    opts = results["options"]
+    parts += [
+        "",
+        f"machine: {m.get('cpu_model')}, {m.get('nproc')} CPUs, torch {m.get('torch')}, "
+        f"python {m.get('python')}, git {m.get('git')} (engine digest {m.get('engine_digest')}); "
+        f"preset {results.get('preset')}, {opts['steps']} timed steps/impl in {opts['rounds']} "
+        f"interleaved rounds, {opts['threads_per_rank']} thread(s)/rank",
+    ]
+    return "\n".join(parts)
