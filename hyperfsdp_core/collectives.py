@@ -9,8 +9,6 @@ on accelerators collectives run on dedicated streams ordered by events (no
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import attrs
 import torch
 import torch.distributed as dist
@@ -81,31 +79,39 @@ DONE = Handle()
 
 
 class BufferPool:
-    """Reuses communication buffers by (numel, dtype) instead of reallocating each step.
+    """Reuses communication buffers instead of reallocating them every time (CPU only).
 
-    Only used on CPU, where large allocations go back to the OS and page-fault in
-    again every step; accelerators' caching allocators already reuse memory.
+    Keeps idle buffers of one size class (numel, dtype) per use: a run of units of the
+    same size (transformer blocks) passes the same buffers along, and a buffer of
+    another size (the root's) is freed as soon as a different size is asked for, so it
+    does not sit idle through the rest of the pass. Accelerators' caching allocators
+    already reuse memory, so they get no pool.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+        self._key: tuple[int, torch.dtype] | None = None
+        self._free: list[torch.Tensor] = []
 
     def get(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        free = self._free.get((numel, dtype))
-        if free:
-            return free.pop()
+        key = (numel, dtype)
+        if key != self._key:
+            self._key = key
+            self._free = []
+        if self._free:
+            return self._free.pop()
         return torch.empty(numel, dtype=dtype, device=self.device)
 
     def put(self, tensor: torch.Tensor) -> None:
-        self._free[(tensor.numel(), tensor.dtype)].append(tensor)
+        if (tensor.numel(), tensor.dtype) == self._key:
+            self._free.append(tensor)
 
     def clear(self) -> None:
-        self._free.clear()
+        self._free = []
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for ts in self._free.values() for t in ts)
+        return sum(t.numel() * t.element_size() for t in self._free)
 
 
 class Comm:
@@ -115,24 +121,40 @@ class Comm:
         self.device = device
         self.stats = CommStats()
         self.is_cpu = device.type == "cpu"
-        self.pool = BufferPool(device) if self.is_cpu else None
+        # one pool per use: all-gather outputs and reduce-scatter inputs
+        self.pools = (
+            {"gather": BufferPool(device), "reduce": BufferPool(device)} if self.is_cpu else None
+        )
         if not self.is_cpu:
             self._module = torch.get_device_module(device.type)
             self.all_gather_stream = self._module.Stream(device=device)
             self.reduce_stream = self._module.Stream(device=device)
 
     # -- buffers -------------------------------------------------------------------------
-    def buffer(self, numel: int, dtype: torch.dtype, custom=None) -> torch.Tensor:
-        """A communication buffer; ``custom.allocate`` decides where it lives if given."""
+    def buffer(self, numel: int, dtype: torch.dtype, use: str, custom=None) -> torch.Tensor:
+        """A communication buffer for ``use`` (``"gather"`` or ``"reduce"``).
+
+        ``custom.allocate`` decides where it lives if given (FSDP2-style custom comms).
+        """
         if custom is not None:
             return custom.allocate((numel,), dtype=dtype, device=self.device)
-        if self.pool is not None:
-            return self.pool.get(numel, dtype)
+        if self.pools is not None:
+            return self.pools[use].get(numel, dtype)
         return torch.empty(numel, dtype=dtype, device=self.device)
 
-    def recycle(self, tensor: torch.Tensor | None, custom=None) -> None:
-        if self.pool is not None and tensor is not None and custom is None:
-            self.pool.put(tensor)
+    def recycle(self, tensor: torch.Tensor | None, use: str, custom=None) -> None:
+        if self.pools is not None and tensor is not None and custom is None:
+            self.pools[use].put(tensor)
+
+    def trim(self) -> None:
+        """Free every idle pooled buffer."""
+        if self.pools is not None:
+            for pool in self.pools.values():
+                pool.clear()
+
+    @property
+    def pooled_bytes(self) -> int:
+        return sum(p.nbytes for p in self.pools.values()) if self.pools is not None else 0
 
     # -- collectives ---------------------------------------------------------------------
     # ``custom`` is an FSDP2-style comm object (``set_custom_all_gather`` /

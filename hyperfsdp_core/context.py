@@ -67,6 +67,9 @@ class RootContext:
     # -- forward ------------------------------------------------------------------------------
     def end_forward(self) -> None:
         """The iteration's forward root finished its forward."""
+        # Communication buffers are reused within a pass (units of one pass mostly share
+        # sizes); none is kept idle across the activation peak or the optimizer step.
+        self.comm.trim()
         if self.forward_order:
             order = self.forward_order
             self.next_in_forward = {a: b for a, b in itertools.pairwise(order) if a is not b}
@@ -91,6 +94,7 @@ class RootContext:
             finish_reductions(state, reductions, self.comm)
 
     def end_backward(self, is_last_backward: bool) -> None:
+        self.comm.trim()
         self.in_backward = False
         self.callback_queued = False
         # a standalone call of a list unit's module (a chunked-loss head) claims the

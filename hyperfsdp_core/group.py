@@ -127,7 +127,7 @@ class Reduction:
     def wait(self, comm: Comm) -> None:
         self.handle.wait()
         if self.pack is not None:
-            comm.recycle(self.pack)
+            comm.recycle(self.pack, "reduce")
             self.pack = None
 
     def defer(self) -> None:
@@ -159,7 +159,6 @@ class Bucket:
         self.state = ShardedState.SHARDED
         self.pending: Handle | None = None
         self._staging: torch.Tensor | None = None
-        self._cast_in: torch.Tensor | None = None
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         # reshard_after_forward=<int>: the smaller group, and this rank's part of the
         # unsharded buffer kept between forward and backward
@@ -261,23 +260,26 @@ class Bucket:
                 flat.copy_(self.sharded_flat)
             self.pending = _READY
             return
-        _alloc(flat)
         kept = self._post_forward_shard
         if kept is not None:
             # gather over the smaller group straight into the (param-major) buffer
             self._post_forward_shard = None
+            _alloc(flat)
             self.pending = comm.all_gather(flat, kept, self.post_forward.shard_group)
             self.pending.keepalive = kept
             return
-        inp = self.sharded_flat
         custom = self.custom_all_gather
-        if self.needs_cast:
-            self._cast_in = comm.buffer(self.total, self.param_dtype)
-            inp = self._cast_in.copy_(inp)
         if self.storage_owner is StorageOwner.ALL_GATHER_OUTPUT and custom is None:
+            _alloc(flat)
             out = flat
-        else:
-            out = self._staging = comm.buffer(self.world * self.total, self.param_dtype, custom)
+        else:  # the unsharded buffer is allocated at copy-out, not while the gather runs
+            out = self._staging = comm.buffer(
+                self.world * self.total, self.param_dtype, "gather", custom
+            )
+        inp = self.sharded_flat
+        if self.needs_cast:  # cast straight into this rank's slot: an in-place all-gather
+            rank = self.mesh_info.shard_rank
+            inp = out[rank * self.total : (rank + 1) * self.total].copy_(inp)
         self.pending = comm.all_gather(out, inp, self.mesh_info.shard_group, custom)
 
     def finish_unshard(self, comm: Comm) -> None:
@@ -287,12 +289,10 @@ class Bucket:
             return
         handle.wait()
         self.pending = None
-        if self._cast_in is not None:
-            comm.recycle(self._cast_in)
-            self._cast_in = None
         if self._staging is not None:
+            _alloc(self.unsharded_flat)
             self._copy_out(self._staging)
-            comm.recycle(self._staging, self.custom_all_gather)
+            comm.recycle(self._staging, "gather", self.custom_all_gather)
             self._staging = None
         for p in self.params:
             p.to_unsharded()
@@ -341,7 +341,7 @@ class Bucket:
         if self.pending is not None:  # an unshard nobody waited for (e.g. a prefetch)
             self.pending.abandon()
             self.pending = None
-            self._staging = self._cast_in = None
+            self._staging = None
         if self.state is ShardedState.SHARDED:
             if self.unsharded_flat is not None and self.unsharded_flat is not self.sharded_flat:
                 _free(self.unsharded_flat)
@@ -402,7 +402,7 @@ class Bucket:
         if direct:
             pack, recycle = g0.view(-1), None
         else:
-            pack = recycle = comm.buffer(world * total, rdtype, custom)
+            pack = recycle = comm.buffer(world * total, rdtype, "reduce", custom)
             pack2d = pack.view(world, total)
             for plan, g in zip(plans, grads):
                 plan.pack(pack2d, g)

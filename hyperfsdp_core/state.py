@@ -383,7 +383,10 @@ class FSDPState:
         group = self.group
         if group is not None and self.unshard_in_backward:
             group.unshard(self.comm)
-        self._backward_prefetch(ctx)
+        # The root's backward (loss, output head) is where activation memory peaks; its
+        # default prefetch would add the next unit's gather buffers right there.
+        if not self.is_root or self.backward_prefetch is not None:
+            self._backward_prefetch(ctx)
         if group is not None and self.unshard_in_backward:
             group.wait_for_unshard(self.comm)
         return grad
@@ -421,6 +424,10 @@ class FSDPState:
             return
         ctx = self.ctx
         assert ctx is not None
+        # Free the unsharded parameters first (their gradients are separate tensors), so
+        # they are not held while the reduce-scatter buffers are allocated.
+        if self.reshard_after_backward:
+            group.reshard()
         if self.requires_gradient_sync:
             # the previous unit's reduce-scatter ran under our backward; keep at most
             # max_reduce_buffers - 1 in flight before adding ours
@@ -430,8 +437,6 @@ class FSDPState:
                 ctx.add_reductions(self, reductions)
         else:
             group.keep_grads()
-        if self.reshard_after_backward:
-            group.reshard()
 
     def root_post_backward(self) -> None:
         """End-of-backward callback of the root: finish every unit, then run the phases."""

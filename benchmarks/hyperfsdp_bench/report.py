@@ -135,6 +135,7 @@ def detail_table(results: dict, markdown: bool = False, notes: list[str] | None 
         "CPU s/step",
         "CPU xFSDP2",
         "peak RSS MiB",
+        "peak heap MiB",
         "live MiB",
         "pad KiB",
         "coll/step",
@@ -147,9 +148,10 @@ def detail_table(results: dict, markdown: bool = False, notes: list[str] | None 
             continue
         for impl, r in res["impls"].items():
             if r.get("status") != "ok":
-                rows.append([res["case"], impl, _note(notes, res, impl, r)] + [""] * 10)
+                rows.append([res["case"], impl, _note(notes, res, impl, r)] + [""] * 11)
                 continue
             peak = max((x for x in r["peak_rss_bytes"] if x), default=None)
+            heap = max((x for x in r.get("peak_heap_bytes", []) if x), default=None)
             rows.append(
                 [
                     res["case"],
@@ -161,13 +163,14 @@ def detail_table(results: dict, markdown: bool = False, notes: list[str] | None 
                     _f(r["cpu_s_per_step"]),
                     _ratio(r.get("cpu_ratio_vs_fsdp2")),
                     _f(peak / MiB if peak else None, ".0f"),
+                    _f(heap / MiB if heap else None, ".0f"),
                     _f(max(r["live_bytes"]) / MiB, ".1f"),
                     _f(max(r["padding_bytes"]) / 1024, ".1f"),
                     _f(r["collectives_per_step"], ".0f"),
                     _f(r["bytes_per_step"] / MiB, ".1f"),
                 ]
             )
-    return _table(headers, rows, markdown, right=set(range(2, 13)))
+    return _table(headers, rows, markdown, right=set(range(2, 14)))
 
 
 def host_overhead_table(

@@ -90,6 +90,8 @@ def _summarize(runs: list[list[dict]], setup: list[dict], steps: int) -> dict:
         "wall_s": wall,
         "cpu_s": cpu,
         "peak_rss_bytes": [r["peak_rss"] for r in last],
+        "peak_heap_bytes": [s.get("peak_heap") for s in setup],
+        "heap_at_step_start_bytes": [s.get("heap_at_step_start") for s in setup],
         "peak_rss_reset": all(r["peak_reset"] for r in last),
         "rss_after_setup_bytes": [s["rss_after_setup"] for s in setup],
         "rss_at_start_bytes": [s.get("rss_at_start") for s in setup],

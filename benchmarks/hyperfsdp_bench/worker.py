@@ -120,6 +120,11 @@ class Runner:
             info.update(measure.fsdp2_padding_bytes(model))
         else:
             info.update({"padding_bytes": 0, "padded_params": 0, "n_managed": 0})
+        with measure.HeapPeak() as heap:  # one untimed step, sampled for peak heap in use
+            start = heap.peak
+            self._step()
+        info["peak_heap"] = heap.peak
+        info["heap_at_step_start"] = start
         self.peak_reset = measure.reset_peak_rss()
         return info
 
@@ -151,8 +156,7 @@ class Runner:
         }
         if comm_stats0 is not None and comm_stats1 is not None:
             out["hyperfsdp_comm_stats"] = measure.diff(comm_stats1, comm_stats0)
-            pool = getattr(self._comm(), "pool", None)
-            out["hyperfsdp_pool_bytes"] = getattr(pool, "nbytes", None)
+            out["hyperfsdp_pool_bytes"] = getattr(self._comm(), "pooled_bytes", None)
         if self.impl == "ddp":
             from .impls import ddp_comm
 
