@@ -16,9 +16,10 @@ CONFIGS = {
     "uneven": "vocab 8193 and MLP hidden 705 (not divisible by the world size), fp32",
     "bf16": "bf16 compute, fp32 reduce (MixedPrecisionPolicy; DDP/floor use autocast)",
     "no-reshard": "reshard_after_forward=False, fp32",
+    "hsdp": "HSDP on a (2, world/2) (replicate, shard) mesh, fp32 (hyperfsdp needs hyperfsdp-hsdp)",
     "host-overhead": "64 tiny blocks (dim 32): per-unit host cost, compute negligible",
 }
-MODEL_CONFIGS = ("even", "uneven", "bf16", "no-reshard")
+MODEL_CONFIGS = ("even", "uneven", "bf16", "no-reshard", "hsdp")
 HOST_OVERHEAD = "host-overhead"
 HOST_OVERHEAD_IMPLS = ("hyperfsdp", "fsdp2", "floor", "hyperfsdp-tuned")
 
@@ -52,6 +53,7 @@ class Case:
             model=model,
             precision="bf16" if self.config == "bf16" else "fp32",
             reshard_after_forward=False if self.config == "no-reshard" else None,
+            hsdp=(2, self.world // 2) if self.config == "hsdp" else None,
         )
 
     def impls(self, selected: Sequence[str]) -> tuple[str, ...]:
@@ -65,13 +67,18 @@ QUICK = (
     Case("bf16", 2, 8),
     Case("no-reshard", 2, 8),
     Case("even", 4, 8),
+    Case("hsdp", 4, 8),
     Case("even", 2, 4),
     Case("even", 2, 16),
     Case(HOST_OVERHEAD, 1, 64),
     Case(HOST_OVERHEAD, 2, 64),
 )
 FULL = (
-    *(Case(c, w, n) for c, w, n in itertools.product(MODEL_CONFIGS, (2, 4), (4, 8, 16))),
+    *(
+        Case(c, w, n)
+        for c, w, n in itertools.product(MODEL_CONFIGS, (2, 4), (4, 8, 16))
+        if not (c == "hsdp" and w < 4)  # HSDP needs replicate and shard groups of 2+
+    ),
     Case(HOST_OVERHEAD, 1, 64),
     Case(HOST_OVERHEAD, 2, 64),
 )

@@ -42,6 +42,7 @@ class CaseSpec:
     model: ModelConfig
     precision: str = "fp32"  # "fp32" or "bf16" (bf16 compute, fp32 reduce)
     reshard_after_forward: bool | None = None  # None: the FSDP default
+    hsdp: tuple[int, int] | None = None  # (replicate, shard): a 2-D HSDP mesh for both FSDPs
     seed: int = 1234
     lr: float = 1e-3
 
@@ -64,6 +65,10 @@ def _shard(model: nn.Module, fully_shard, mp_policy_cls, spec: CaseSpec) -> int:
         kwargs["mp_policy"] = mp_policy_cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if spec.reshard_after_forward is not None:
         kwargs["reshard_after_forward"] = spec.reshard_after_forward
+    if spec.hsdp is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        kwargs["mesh"] = init_device_mesh("cpu", spec.hsdp, mesh_dim_names=("replicate", "shard"))
     for layer in model.layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
