@@ -353,20 +353,35 @@ class Bucket:
         self.state = ShardedState.SHARDED
 
     # -- gradients ----------------------------------------------------------------------------
-    def _plan(self) -> tuple[list[HSDPParam], list[Segment], list[_PackPlan], int]:
-        """The reduce layout over the members that require grad (recomputed if that changes)."""
+    def _plan(self) -> tuple[list[HSDPParam], list[Segment], list[_PackPlan], int, bool]:
+        """The reduce layout over the members that require grad (recomputed if that changes).
+
+        The last item says whether every member is dim-0 and even, so that one
+        ``torch.cat`` packs all gradients at once.
+        """
         key = tuple(p.requires_grad for p in self.params)
         if key != self._reduce_key or self._reduce_plan is None:
             members = [p for p, rg in zip(self.params, key) if rg]
             segments, total = pack_segments([p.layout.padded_numel for p in members])
             plans = [_PackPlan(p, seg, self.world) for p, seg in zip(members, segments)]
-            self._reduce_plan = (members, segments, plans, total)
+            simple = all(pl.dim == 0 and pl.rows == self.world * pl.chunk for pl in plans)
+            self._reduce_plan = (members, segments, plans, total, simple)
             self._reduce_key = key
         return self._reduce_plan
 
+    def _pack(self, dst2d: torch.Tensor, plans: list[_PackPlan], grads: list, simple: bool) -> None:
+        """Lay the members' gradients out rank-major in ``dst2d`` (zeros where missing)."""
+        dtype = dst2d.dtype
+        if simple and all(g is not None and g.dtype == dtype for g in grads):
+            world = dst2d.shape[0]
+            torch.cat([g.reshape(world, pl.numel) for g, pl in zip(grads, plans)], dim=1, out=dst2d)
+            return
+        for plan, g in zip(plans, grads):
+            plan.pack(dst2d, g)
+
     def reduce(self, comm: Comm, *, include_unused: bool) -> Reduction | None:
         """Reduce-scatter the members' unsharded gradients (pre-scaled once)."""
-        members, segments, plans, total = self._plan()
+        members, segments, plans, total, simple = self._plan()
         if not members:
             return None
         grads = [p.take_unsharded_grad() for p in members]
@@ -383,9 +398,7 @@ class Bucket:
                 output = g0.view(-1)  # ours: taken from the unsharded parameter
             else:
                 output = torch.empty(total, dtype=rdtype, device=self.device)
-                out2d = output.view(1, total)
-                for plan, g in zip(plans, grads):
-                    plan.pack(out2d, g)
+                self._pack(output.view(1, total), plans, grads, simple)
             if scale is not None:
                 output.mul_(scale)
             return Reduction(self, output, _READY, None, members, segments, present)
@@ -403,9 +416,7 @@ class Bucket:
             pack, recycle = g0.view(-1), None
         else:
             pack = recycle = comm.buffer(world * total, rdtype, "reduce", custom)
-            pack2d = pack.view(world, total)
-            for plan, g in zip(plans, grads):
-                plan.pack(pack2d, g)
+            self._pack(pack.view(world, total), plans, grads, simple)
         if scale is not None:
             pack.mul_(scale)
         output = torch.empty(total, dtype=rdtype, device=self.device)
