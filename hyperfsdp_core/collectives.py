@@ -75,9 +75,6 @@ class Handle:
             self._work = self._event = self.keepalive = None
 
 
-DONE = Handle()
-
-
 class BufferPool:
     """Reuses communication buffers instead of reallocating them every time (CPU only).
 

@@ -15,7 +15,7 @@ from ._torch_private import queue_end_of_backward_callback
 from .collectives import Comm
 
 if TYPE_CHECKING:
-    from .group import Reduction
+    from .reduction import Reduction
     from .state import FSDPState
 
 #: Set to a non-empty value to log every unit's state transitions (logger below, INFO).

@@ -16,16 +16,17 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .collectives import Comm, Handle
-from .layout import Segment, pack_segments
+from .layout import pack_segments
 from .mesh_info import MeshInfo
 from .param import HSDPParam, StorageOwner
+from .reduction import READY, Reduction, reduce_bucket
 
 
 class ShardedState(enum.Enum):
@@ -69,79 +70,6 @@ def _alias(base: torch.Tensor, offset: int, shape: tuple[int, ...], stride) -> t
     )
 
 
-class _PackPlan:
-    """How one member's full gradient lands in its rank-major reduce-scatter slots."""
-
-    __slots__ = ("chunk", "dim", "numel", "offset", "post", "pre", "quot", "rem", "rows", "world")
-
-    def __init__(self, p: HSDPParam, seg: Segment, world: int) -> None:
-        lay = p.layout
-        self.offset, self.numel, self.world = seg.offset, seg.numel, world
-        self.dim = p.shard_dim
-        self.chunk = lay.chunk
-        self.rows = lay.global_shape[lay.dim]
-        self.quot, self.rem = divmod(self.rows, self.chunk) if self.chunk else (0, 0)
-        self.pre = math.prod(lay.global_shape[: lay.dim])
-        self.post = math.prod(lay.global_shape[lay.dim + 1 :])
-
-    def pack(self, dst2d: torch.Tensor, grad: torch.Tensor | None) -> None:
-        dst = dst2d[:, self.offset : self.offset + self.numel]
-        if grad is None:
-            dst.zero_()
-            return
-        if self.dim != 0:  # even by construction: slot r is chunk r of dim `dim`
-            src = grad.reshape(self.pre, self.world, self.chunk, self.post).permute(1, 0, 2, 3)
-            dst.view(self.world, self.pre, self.chunk, self.post).copy_(src)
-            return
-        rows = grad.reshape(self.rows, self.post)
-        dst3 = dst.view(self.world, self.chunk, self.post)
-        q, rem = self.quot, self.rem
-        if q:
-            dst3[:q].copy_(rows[: q * self.chunk].view(q, self.chunk, self.post))
-        if q < self.world:
-            if rem:
-                dst3[q, :rem].copy_(rows[q * self.chunk :])
-            dst3[q, rem:].zero_()
-            dst3[q + 1 :].zero_()
-
-
-class Reduction:
-    """A bucket's gradient reduction in flight; ``finish()`` waits and applies it.
-
-    Plugins that reduce further (all-reduce over a replicate group) call
-    :meth:`defer` from their reducer and apply the result later themselves.
-    """
-
-    __slots__ = ("bucket", "deferred", "handle", "members", "output", "pack", "present", "segments")
-
-    def __init__(self, bucket, output, handle, pack, members, segments, present) -> None:
-        self.bucket: Bucket = bucket
-        self.output: torch.Tensor = output  # this rank's reduced shards, flat, reduce dtype
-        self.handle: Handle = handle
-        self.pack = pack  # buffer to recycle once the collective is done
-        self.members: list[HSDPParam] = members
-        self.segments: list[Segment] = segments
-        self.present: list[bool] = present  # which members receive a gradient
-        self.deferred = False
-
-    def wait(self, comm: Comm) -> None:
-        self.handle.wait()
-        if self.pack is not None:
-            comm.recycle(self.pack, "reduce")
-            self.pack = None
-
-    def defer(self) -> None:
-        """Take over applying this reduction (the core will not apply it)."""
-        self.deferred = True
-
-    def apply(self) -> None:
-        out = self.output
-        for p, seg, present in zip(self.members, self.segments, self.present):
-            if present:
-                start = seg.offset
-                p.apply_sharded_grad(out[start : start + p.actual_numel].view(p.actual_shape))
-
-
 class Bucket:
     """Parameters that share topology and dtypes: one all-gather, one reduce-scatter."""
 
@@ -170,8 +98,8 @@ class Bucket:
         self.custom_reduce_scatter = None
         self.reduce_group: dist.ProcessGroup | None = None
         self.divide_factor: float = float(self.mesh_info.dp_size)
-        self._reduce_key: tuple[bool, ...] | None = None
-        self._reduce_plan: tuple[list[HSDPParam], list[Segment], list[_PackPlan], int] | None = None
+        self.reduce_key: tuple[bool, ...] | None = None  # see reduction.reduce_plan
+        self.reduce_plan = None
 
     @staticmethod
     def key(p: HSDPParam) -> tuple:
@@ -213,7 +141,7 @@ class Bucket:
         self.sharded_flat = flat
         self.unsharded_flat = None
         self.state = ShardedState.SHARDED
-        self._reduce_key = None
+        self.reduce_key = None
 
     @property
     def storage_owner(self) -> StorageOwner:
@@ -258,7 +186,7 @@ class Bucket:
             if self.needs_cast:
                 _alloc(flat)
                 flat.copy_(self.sharded_flat)
-            self.pending = _READY
+            self.pending = READY
             return
         kept = self._post_forward_shard
         if kept is not None:
@@ -353,98 +281,9 @@ class Bucket:
         self.state = ShardedState.SHARDED
 
     # -- gradients ----------------------------------------------------------------------------
-    def _plan(self) -> tuple[list[HSDPParam], list[Segment], list[_PackPlan], int, bool]:
-        """The reduce layout over the members that require grad (recomputed if that changes).
-
-        The last item says whether every member is dim-0 and even, so that one
-        ``torch.cat`` packs all gradients at once.
-        """
-        key = tuple(p.requires_grad for p in self.params)
-        if key != self._reduce_key or self._reduce_plan is None:
-            members = [p for p, rg in zip(self.params, key) if rg]
-            segments, total = pack_segments([p.layout.padded_numel for p in members])
-            plans = [_PackPlan(p, seg, self.world) for p, seg in zip(members, segments)]
-            simple = all(pl.dim == 0 and pl.rows == self.world * pl.chunk for pl in plans)
-            self._reduce_plan = (members, segments, plans, total, simple)
-            self._reduce_key = key
-        return self._reduce_plan
-
-    def _pack(self, dst2d: torch.Tensor, plans: list[_PackPlan], grads: list, simple: bool) -> None:
-        """Lay the members' gradients out rank-major in ``dst2d`` (zeros where missing)."""
-        dtype = dst2d.dtype
-        if simple and all(g is not None and g.dtype == dtype for g in grads):
-            world = dst2d.shape[0]
-            torch.cat([g.reshape(world, pl.numel) for g, pl in zip(grads, plans)], dim=1, out=dst2d)
-            return
-        for plan, g in zip(plans, grads):
-            plan.pack(dst2d, g)
-
-    def reduce(self, comm: Comm, *, include_unused: bool) -> Reduction | None:
-        """Reduce-scatter the members' unsharded gradients (pre-scaled once)."""
-        members, segments, plans, total, simple = self._plan()
-        if not members:
-            return None
-        grads = [p.take_unsharded_grad() for p in members]
-        present = [g is not None for g in grads]
-        if not any(present) and not include_unused:
-            return None
-        if include_unused:
-            present = [True] * len(members)
-        scale = 1.0 / self.divide_factor if self.divide_factor != 1 else None
-        world, rdtype = self.world, self.reduce_dtype
-        g0 = grads[0]
-        if world == 1:  # nothing to reduce-scatter: the local gradient is the shard's
-            if len(members) == 1 and g0 is not None and g0.dtype == rdtype and g0.is_contiguous():
-                output = g0.view(-1)  # ours: taken from the unsharded parameter
-            else:
-                output = torch.empty(total, dtype=rdtype, device=self.device)
-                self._pack(output.view(1, total), plans, grads, simple)
-            if scale is not None:
-                output.mul_(scale)
-            return Reduction(self, output, _READY, None, members, segments, present)
-        custom = self.custom_reduce_scatter
-        direct = (
-            custom is None
-            and len(members) == 1
-            and g0 is not None
-            and plans[0].dim == 0
-            and plans[0].rows == world * plans[0].chunk
-            and g0.dtype == rdtype
-            and g0.is_contiguous()
-        )
-        if direct:
-            pack, recycle = g0.view(-1), None
-        else:
-            pack = recycle = comm.buffer(world * total, rdtype, "reduce", custom)
-            self._pack(pack.view(world, total), plans, grads, simple)
-        if scale is not None:
-            pack.mul_(scale)
-        output = torch.empty(total, dtype=rdtype, device=self.device)
-        group = self.reduce_group or self.mesh_info.shard_group
-        handle = comm.reduce_scatter(output, pack, group, dist.ReduceOp.SUM, custom)
-        if custom is not None:  # the custom comm owns its buffers: never pooled
-            recycle = None
-        red = Reduction(self, output, handle, recycle, members, segments, present)
-        if recycle is None:
-            handle.keepalive = pack
-        return red
-
     def keep_grads(self) -> None:
         for p in self.params:
             p.keep_unsharded_grad()
-
-
-class _Ready(Handle):
-    """A handle that is always complete (local paths that issue no collective)."""
-
-    def wait(self) -> None:
-        return
-
-    def abandon(self) -> None:
-        return
-
-
-_READY = _Ready()
 
 
 class ParamGroup:
@@ -548,7 +387,7 @@ class ParamGroup:
     def reduce(self, comm: Comm, *, include_unused: bool) -> list[Reduction]:
         out = []
         for b in self.buckets:
-            red = b.reduce(comm, include_unused=include_unused)
+            red = reduce_bucket(b, comm, include_unused=include_unused)
             if red is not None:
                 out.append(red)
         return out
@@ -556,6 +395,3 @@ class ParamGroup:
     def keep_grads(self) -> None:
         for b in self.buckets:
             b.keep_grads()
-
-    def iter_params(self) -> Iterable[HSDPParam]:
-        return iter(self.params)

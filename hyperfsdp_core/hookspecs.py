@@ -17,10 +17,10 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from .group import Reduction
     from .mesh_info import MeshInfo
     from .param import HSDPParam
     from .plugins import Phase
+    from .reduction import Reduction
     from .state import FSDPState
     from .unit import UnitSpec
 
@@ -112,7 +112,7 @@ def hyperfsdp_gradient_reducers(state: FSDPState) -> Callable[[list[Reduction]],
     rebuilt). The reducer is called once per post-backward of the unit, when the core
     drains that unit's reduce-scatters (in the next unit's post-backward or in the
     ``core.reduce_scatter_drain`` phase), with the list of this post-backward's
-    :class:`~hyperfsdp_core.group.Reduction` objects (one per bucket that reduced),
+    :class:`~hyperfsdp_core.reduction.Reduction` objects (one per bucket that reduced),
     every one of them complete. A reducer may take a reduction over (for example to
     all-reduce it over a replicate group and apply it in a later finalization phase)
     by calling ``reduction.defer()``; the core applies the others right after.

@@ -23,9 +23,9 @@ from torch.distributed.tensor import DTensor
 
 from hyperfsdp_core import hookimpl
 from hyperfsdp_core.collectives import Comm, Handle
-from hyperfsdp_core.group import Reduction
 from hyperfsdp_core.mesh_info import MeshInfo, ddp_mesh_info, hsdp_mesh_info
 from hyperfsdp_core.plugins import FIRST_PHASE, Phase
+from hyperfsdp_core.reduction import Reduction
 from hyperfsdp_core.unit import UnitSpec
 
 PHASE = "dp.all_reduce"

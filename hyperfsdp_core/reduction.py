@@ -1,0 +1,195 @@
+"""Gradient reduction of one bucket: pack, pre-scale once, reduce-scatter, hand on.
+
+The pack is rank-major: row ``r`` of the ``(world, total)`` input holds every member's
+rows for rank ``r``, each padded to its slot (uneven tails zeroed). The output is this
+rank's slots back to back; the members' gradients are views of it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from .collectives import Comm, Handle
+from .layout import Segment, pack_segments
+from .param import HSDPParam
+
+if TYPE_CHECKING:
+    from .group import Bucket
+
+
+class _Ready(Handle):
+    """A handle that is always complete (local paths that issue no collective)."""
+
+    def wait(self) -> None:
+        return
+
+    def abandon(self) -> None:
+        return
+
+
+READY = _Ready()
+
+
+class _PackPlan:
+    """How one member's full gradient lands in its rank-major reduce-scatter slots."""
+
+    __slots__ = ("chunk", "dim", "numel", "offset", "post", "pre", "quot", "rem", "rows", "world")
+
+    def __init__(self, p: HSDPParam, seg: Segment, world: int) -> None:
+        lay = p.layout
+        self.offset, self.numel, self.world = seg.offset, seg.numel, world
+        self.dim = p.shard_dim
+        self.chunk = lay.chunk
+        self.rows = lay.global_shape[lay.dim]
+        self.quot, self.rem = divmod(self.rows, self.chunk) if self.chunk else (0, 0)
+        self.pre = math.prod(lay.global_shape[: lay.dim])
+        self.post = math.prod(lay.global_shape[lay.dim + 1 :])
+
+    def pack(self, dst2d: torch.Tensor, grad: torch.Tensor | None) -> None:
+        dst = dst2d[:, self.offset : self.offset + self.numel]
+        if grad is None:
+            dst.zero_()
+            return
+        if self.dim != 0:  # even by construction: slot r is chunk r of dim `dim`
+            src = grad.reshape(self.pre, self.world, self.chunk, self.post).permute(1, 0, 2, 3)
+            dst.view(self.world, self.pre, self.chunk, self.post).copy_(src)
+            return
+        rows = grad.reshape(self.rows, self.post)
+        dst3 = dst.view(self.world, self.chunk, self.post)
+        q, rem = self.quot, self.rem
+        if q:
+            dst3[:q].copy_(rows[: q * self.chunk].view(q, self.chunk, self.post))
+        if q < self.world:
+            if rem:
+                dst3[q, :rem].copy_(rows[q * self.chunk :])
+            dst3[q, rem:].zero_()
+            dst3[q + 1 :].zero_()
+
+
+class Reduction:
+    """A bucket's gradient reduction in flight; ``finish()`` waits and applies it.
+
+    Plugins that reduce further (all-reduce over a replicate group) call
+    :meth:`defer` from their reducer and apply the result later themselves.
+    """
+
+    __slots__ = ("bucket", "deferred", "handle", "members", "output", "pack", "present", "segments")
+
+    def __init__(self, bucket, output, handle, pack, members, segments, present) -> None:
+        self.bucket: Bucket = bucket
+        self.output: torch.Tensor = output  # this rank's reduced shards, flat, reduce dtype
+        self.handle: Handle = handle
+        self.pack = pack  # buffer to recycle once the collective is done
+        self.members: list[HSDPParam] = members
+        self.segments: list[Segment] = segments
+        self.present: list[bool] = present  # which members receive a gradient
+        self.deferred = False
+
+    def wait(self, comm: Comm) -> None:
+        self.handle.wait()
+        if self.pack is not None:
+            comm.recycle(self.pack, "reduce")
+            self.pack = None
+
+    def defer(self) -> None:
+        """Take over applying this reduction (the core will not apply it)."""
+        self.deferred = True
+
+    def apply(self) -> None:
+        out = self.output
+        for p, seg, present in zip(self.members, self.segments, self.present):
+            if present:
+                start = seg.offset
+                p.apply_sharded_grad(out[start : start + p.actual_numel].view(p.actual_shape))
+
+
+class ReducePlan:
+    """A bucket's reduce layout over the members that require grad."""
+
+    __slots__ = ("members", "plans", "segments", "simple", "total")
+
+    def __init__(self, bucket: Bucket) -> None:
+        self.members = [p for p in bucket.params if p.requires_grad]
+        self.segments, self.total = pack_segments([p.layout.padded_numel for p in self.members])
+        world = bucket.world
+        self.plans = [_PackPlan(p, seg, world) for p, seg in zip(self.members, self.segments)]
+        # every member dim-0 and even: one torch.cat packs all gradients at once
+        self.simple = all(pl.dim == 0 and pl.rows == world * pl.chunk for pl in self.plans)
+
+    def pack(self, dst2d: torch.Tensor, grads: list) -> None:
+        """Lay the members' gradients out rank-major in ``dst2d`` (zeros where missing)."""
+        dtype = dst2d.dtype
+        if self.simple and all(g is not None and g.dtype == dtype for g in grads):
+            world = dst2d.shape[0]
+            torch.cat(
+                [g.reshape(world, pl.numel) for g, pl in zip(grads, self.plans)], dim=1, out=dst2d
+            )
+            return
+        for plan, g in zip(self.plans, grads):
+            plan.pack(dst2d, g)
+
+
+def reduce_plan(bucket: Bucket) -> ReducePlan:
+    """The bucket's cached plan, rebuilt when members' ``requires_grad`` changed."""
+    key = tuple(p.requires_grad for p in bucket.params)
+    if key != bucket.reduce_key or bucket.reduce_plan is None:
+        bucket.reduce_plan = ReducePlan(bucket)
+        bucket.reduce_key = key
+    return bucket.reduce_plan
+
+
+def reduce_bucket(bucket: Bucket, comm: Comm, *, include_unused: bool) -> Reduction | None:
+    """Reduce-scatter the members' unsharded gradients (pre-scaled once)."""
+    plan = reduce_plan(bucket)
+    members, segments, total = plan.members, plan.segments, plan.total
+    if not members:
+        return None
+    grads = [p.take_unsharded_grad() for p in members]
+    present = [g is not None for g in grads]
+    if not any(present) and not include_unused:
+        return None
+    if include_unused:
+        present = [True] * len(members)
+    scale = 1.0 / bucket.divide_factor if bucket.divide_factor != 1 else None
+    world, rdtype = bucket.world, bucket.reduce_dtype
+    g0 = grads[0]
+    if world == 1:  # nothing to reduce-scatter: the local gradient is the shard's
+        if len(members) == 1 and g0 is not None and g0.dtype == rdtype and g0.is_contiguous():
+            output = g0.view(-1)  # ours: taken from the unsharded parameter
+        else:
+            output = torch.empty(total, dtype=rdtype, device=bucket.device)
+            plan.pack(output.view(1, total), grads)
+        if scale is not None:
+            output.mul_(scale)
+        return Reduction(bucket, output, READY, None, members, segments, present)
+    custom = bucket.custom_reduce_scatter
+    first = plan.plans[0]
+    direct = (
+        custom is None
+        and len(members) == 1
+        and g0 is not None
+        and first.dim == 0
+        and first.rows == world * first.chunk
+        and g0.dtype == rdtype
+        and g0.is_contiguous()
+    )
+    if direct:  # one even member: its gradient is the reduce-scatter input as it is
+        pack, recycle = g0.view(-1), None
+    else:
+        pack = recycle = comm.buffer(world * total, rdtype, "reduce", custom)
+        plan.pack(pack.view(world, total), grads)
+    if scale is not None:
+        pack.mul_(scale)
+    output = torch.empty(total, dtype=rdtype, device=bucket.device)
+    group = bucket.reduce_group or bucket.mesh_info.shard_group
+    handle = comm.reduce_scatter(output, pack, group, dist.ReduceOp.SUM, custom)
+    if custom is not None:  # the custom comm owns its buffers: never pooled
+        recycle = None
+    red = Reduction(bucket, output, handle, recycle, members, segments, present)
+    if recycle is None:
+        handle.keepalive = pack
+    return red
