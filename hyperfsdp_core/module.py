@@ -165,14 +165,10 @@ class FSDPModule:
 
         ``reduce_output`` is this rank's flat reduce-scatter output (pure FSDP) or the
         all-reduce output (HSDP); the hook may modify it in place (e.g. all-reduce it
-        over a custom group). ``stream`` is accepted for FSDP2 compatibility and used
-        on accelerators only.
+        over a custom group). It runs on the current stream once the reduction is
+        complete; ``stream`` is accepted for FSDP2 compatibility and not used.
         """
-        state = self._fsdp_state()
-        state.all_reduce_hook = hook
-        if state.group is not None:
-            state.group.all_reduce_hook = hook
-            state.group.apply_settings()
+        self._set_group_option("all_reduce_hook", hook)
 
     def set_custom_all_gather(self, comm) -> None:
         """Use an FSDP2-style ``AllGather`` object (``allocate`` + ``__call__``) for this unit."""

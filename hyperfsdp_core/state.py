@@ -110,7 +110,6 @@ class FSDPState:
         self.unshard_in_backward = True
         self.forward_prefetch: list[FSDPState] | None = None
         self.backward_prefetch: list[FSDPState] | None = None
-        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self.max_reduce_buffers = 1
         self.force_sum_reduction = False  # reductions are always SUM here (scaled once)
         self.is_last_backward = True
