@@ -15,6 +15,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .collectives import Comm
 from .group import ParamGroup
+from .mesh_info import mesh_device
 from .module import FSDPModule, fsdp_class
 from .param import HSDPParam
 from .plugins import get_plugin_manager
@@ -91,7 +92,7 @@ def fully_shard(
             if mixin not in mixins:
                 mixins.append(mixin)
 
-    device = mesh_device_of(mesh)
+    device = mesh_device(mesh)
     hsdp_params, locals_by_param = [], {}
     for fqn, param, mesh_info, shard_dim, (param_dtype, reduce_dtype) in decisions:
         hp = HSDPParam(fqn, param, registrations[id(param)], mesh_info, shard_dim)
@@ -135,12 +136,6 @@ def default_mesh() -> DeviceMesh:
         if current is not None and dist.get_backend() != "gloo":
             device_type = current.type
     return init_device_mesh(device_type, (dist.get_world_size(),))
-
-
-def mesh_device_of(mesh: DeviceMesh) -> torch.device:
-    from .mesh_info import mesh_device
-
-    return mesh_device(mesh)
 
 
 def _root_modules(module: nn.Module | Sequence[nn.Module]) -> tuple[nn.Module, ...]:
