@@ -76,9 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "hyperfsdp-tuned adds hyperfsdp with its CPU communication knobs on)",
     )
     p.add_argument(
-        "--steps", type=_positive, help="timed steps per implementation (quick 8, full 30)"
+        "--steps", type=_positive, help="timed steps per implementation (quick 12, full 30)"
     )
-    p.add_argument("--rounds", type=_positive, help="interleaved rounds (quick 2, full 5)")
+    p.add_argument("--rounds", type=_positive, help="interleaved rounds (quick 3, full 5)")
     p.add_argument("--warmup", type=int, help="untimed steps before timing (default 3)")
     p.add_argument(
         "--threads", type=_positive, default=1, help="torch threads per rank (default 1)"

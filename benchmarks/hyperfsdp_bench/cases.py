@@ -94,7 +94,7 @@ class Preset:
 
 
 PRESETS = {
-    "quick": Preset("quick", QUICK, steps=8, rounds=2, warmup=3),
+    "quick": Preset("quick", QUICK, steps=12, rounds=3, warmup=3),
     "full": Preset("full", FULL, steps=30, rounds=5, warmup=3),
 }
 
