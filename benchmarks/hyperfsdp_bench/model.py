@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyperfsdp_core.testing.reference import RMSNorm
+
 
 @attrs.frozen
 class ModelConfig:
@@ -28,16 +30,6 @@ class ModelConfig:
 
     def as_dict(self) -> dict:
         return {**attrs.asdict(self), "n_params": self.n_params}
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 class Attention(nn.Module):
