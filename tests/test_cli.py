@@ -166,3 +166,19 @@ def test_plugins_reports_a_plugin_that_fails_to_import(capsys, monkeypatch):
         "hyperfsdp plugins: hyperfsdp plugin 'fake' from distribution 'hyperfsdp-fake' 9.9 "
         "failed to import\n"
     )
+
+
+def test_bench_lists_its_cases(capsys):
+    assert main(["bench", "--list"]) == 0
+    out = capsys.readouterr().out
+    for case in ("even w2 L8", "uneven w2 L8", "bf16 w2 L8", "no-reshard w2 L8", "hsdp w4 L8"):
+        assert case in out
+    assert "host-overhead w1 L64" in out and "host-overhead w2 L64" in out
+
+
+def test_demo_help_describes_parity(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--world-size" in out and "reference" in out
