@@ -125,10 +125,20 @@ CASES = {
     "shared": (shared_between_units, "ValueError"),
     "reshard_int": (bad_reshard_after_forward, "ValueError"),
 }
+
+
+def replicate_params_without_plugin():
+    def call(m):
+        fully_shard(m, replicate_params={m.bias})
+
+    return expect_error(lambda: nn.Linear(2, 2), call, "'bias'", "pip install hyperfsdp[hsdp]")
+
+
 PLUGIN_CASES = {  # features that need a plugin distribution
     "offload": (offload_without_plugin, "ImportError"),
     "dp_mesh_dims": (dp_mesh_dims_without_plugin, "ImportError"),
     "two_d_mesh": (two_d_mesh_without_plugin, "ImportError"),
+    "replicate_params": (replicate_params_without_plugin, "ImportError"),
 }
 
 

@@ -219,3 +219,39 @@ def plan_text():
 def test_sharding_plan_shows_topology(run_ranks):
     text = run_ranks(4, plan_text)[0]
     assert "HSDP s=2 r=2" in text and "DDP s=1 r=4" in text
+
+
+def later_phase_sees_all_reduced_grads():
+    """A phase ordered after dp.all_reduce (where tensor parallelism's goes) finds every
+    gradient applied; the core drain alone would leave the HSDP ones pending."""
+    from hyperfsdp_core import get_plugin_manager, hookimpl
+    from hyperfsdp_core.plugins import Phase
+
+    seen = []
+
+    class Later:
+        @hookimpl
+        def hyperfsdp_finalize_phases(self):
+            return [
+                Phase("test.after_dp", lambda ctx: seen.append(snapshot()), after="dp.all_reduce")
+            ]
+
+    def snapshot():
+        return sorted(n for n, p in model.named_parameters() if p.grad is None)
+
+    pm = get_plugin_manager()
+    pm.register(Later(), name="test_later")
+    try:
+        model = build()
+        shard(model, mesh_for((2, 2)), norms)
+        order = [phase.name for phase in pm.finalization_phases()]
+        model(local_slice(token_batch(0, 8, 5, VOCAB)[0])).sum().backward()
+    finally:
+        pm.unregister(name="test_later")
+    return order, seen
+
+
+def test_phase_after_dp_all_reduce_sees_every_gradient(run_ranks):
+    for order, seen in run_ranks(4, later_phase_sees_all_reduced_grads):
+        assert order == ["core.reduce_scatter_drain", "dp.all_reduce", "test.after_dp"]
+        assert seen == [[]]  # one backward, no parameter without its gradient
