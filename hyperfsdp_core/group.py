@@ -56,7 +56,10 @@ def _standalone(view: torch.Tensor) -> torch.Tensor:
     """
     if view.device.type == "meta":
         return view
-    return torch.from_dlpack(view)
+    try:
+        return torch.from_dlpack(view)
+    except (RuntimeError, TypeError, BufferError):  # a device or dtype DLPack cannot carry
+        return view
 
 
 def _alias(base: torch.Tensor, offset: int, shape: tuple[int, ...], stride) -> torch.Tensor:

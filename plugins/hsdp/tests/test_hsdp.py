@@ -255,3 +255,39 @@ def test_phase_after_dp_all_reduce_sees_every_gradient(run_ranks):
     for order, seen in run_ranks(4, later_phase_sees_all_reduced_grads):
         assert order == ["core.reduce_scatter_drain", "dp.all_reduce", "test.after_dp"]
         assert seen == [[]]  # one backward, no parameter without its gradient
+
+
+def hsdp_mixed_precision():
+    """bf16 compute, fp32 reduce on a (2, 2) mesh: the all-reduce runs in the reduce dtype."""
+    from hyperfsdp_core import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = build()
+    mesh = mesh_for((2, 2))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    ar_dtypes = []
+    x, y = token_batch(0, 8, 5, VOCAB)
+    lm_loss(model(local_slice(x)).float(), local_slice(y)).backward()  # lazy init
+    ctx = model._hyperfsdp_state.ctx
+    orig = ctx.comm.all_reduce
+
+    def spy(tensor, group, op):
+        ar_dtypes.append(str(tensor.dtype))
+        return orig(tensor, group, op)
+
+    ctx.comm.all_reduce = spy
+    model.zero_grad()
+    lm_loss(model(local_slice(x)).float(), local_slice(y)).backward()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    masters = {str(p.dtype) for p in model.parameters()}
+    return ar_dtypes, masters, grads
+
+
+def test_hsdp_with_mixed_precision(run_ranks):
+    results = run_ranks(4, hsdp_mixed_precision)
+    for ar_dtypes, masters, grads in results:
+        assert ar_dtypes == ["torch.float32"] * 3 and masters == {"torch.float32"}
+        for name, g in grads.items():  # both replicas hold the same all-reduced gradient
+            torch.testing.assert_close(g, results[0][2][name], msg=name)
