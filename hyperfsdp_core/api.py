@@ -324,8 +324,7 @@ def reset_sharded_params(state: FSDPState) -> None:
     group.rebucket()  # dtypes may have changed
     group.build_sharded(locals_by_param, device)
     if state.ctx is not None:
-        group.init_unsharded()
-        state.resolve_reducers()
+        state.prepare_group()
     hook = get_plugin_manager().hook.hyperfsdp_param_reset
     for p in group.params:
         hook(param=p)

@@ -125,6 +125,7 @@ class FSDPState:
         self.post_forward_indices: list[int] = []
         self.modules_to_run: set[nn.Module] = set()
         self.prefetched: bool = False
+        self.deferred_prefetch = False  # the root's backward prefetch, see pre_backward
         self.needs_reset = False  # a list unit's modules were converted (_apply)
         for module in modules:
             module._hyperfsdp_state = self  # type: ignore[attr-defined]
@@ -193,8 +194,7 @@ class FSDPState:
             if state.group is not None:
                 for p in state.group.params:
                     p.fqn = param_fqns.get(id(p.sharded_param), p.fqn)
-                state.group.init_unsharded()
-                state.resolve_reducers()
+                state.prepare_group()
             state.input_transforms = [
                 f for f in pm.hook.hyperfsdp_forward_input_transform(state=state) if f
             ]
@@ -206,10 +206,24 @@ class FSDPState:
         ctx.finalize_runs = tuple(phase.run for phase in pm.finalization_phases())
         return ctx
 
-    def resolve_reducers(self) -> None:
-        """Resolve the plugins' gradient reducers for this unit (lazy init, after a rebuild)."""
+    def prepare_group(self) -> None:
+        """Per-unit plans built once the storage exists (lazy init, and after a rebuild):
+        the unsharded parameters, the plugins' gradient reducers, the root's prefetch hook."""
+        group = self.group
+        assert group is not None
+        group.init_unsharded()
         hook = get_plugin_manager().hook.hyperfsdp_gradient_reducers
         self.reducers = [r for r in hook(state=self) if r]
+        if self.is_root:
+            for p in group.params:
+                p.unsharded_param.register_post_accumulate_grad_hook(
+                    self._deferred_backward_prefetch
+                )
+
+    def _deferred_backward_prefetch(self, param: torch.Tensor) -> None:
+        if self.deferred_prefetch:
+            self.deferred_prefetch = False
+            self._backward_prefetch(self.ctx)
 
     # -- forward ------------------------------------------------------------------------------
     def ensure_storage(self) -> None:
@@ -382,9 +396,11 @@ class FSDPState:
         group = self.group
         if group is not None and self.unshard_in_backward:
             group.unshard(self.comm)
-        # The root's backward (loss, output head) is where activation memory peaks; its
-        # default prefetch would add the next unit's gather buffers right there.
-        if not self.is_root or self.backward_prefetch is not None:
+        if self.is_root and self.backward_prefetch is None and self.group is not None:
+            # The root's backward (loss, output head) is where activation memory peaks:
+            # prefetch once its first gradient is accumulated, past that peak.
+            self.deferred_prefetch = True
+        else:
             self._backward_prefetch(ctx)
         if group is not None and self.unshard_in_backward:
             group.wait_for_unshard(self.comm)
@@ -461,6 +477,7 @@ class FSDPState:
                 state._log("root_backward_exit")
             state.training_state = S.IDLE
             state.modules_to_run.clear()
+            state.deferred_prefetch = False
             group = state.group
             if group is not None:
                 if state.reshard_after_backward or group.has_pending:

@@ -244,3 +244,46 @@ def test_next_units_all_gather_is_issued_before_its_forward(run_ranks):
     (seen, _) = run_ranks(2, prefetch_observed)
     # second iteration: layer 0 is prefetched by the root, layers 1.. by their predecessor
     assert seen == [(0, True), (1, True), (2, True), (3, True)]
+
+
+def backward_prefetch_order():
+    """In backward the root prefetches the last block once its first gradient is
+    accumulated (past the loss/head activation peak), before that block's backward."""
+    from hyperfsdp_core.group import Bucket
+    from hyperfsdp_core.testing.reference import Transformer
+
+    os.environ["HYPERFSDP_LOG_TRANSITIONS"] = "1"
+    torch.manual_seed(0)
+    model = Transformer(vocab=31, dim=8, n_layers=2, hidden=12)
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    tokens = torch.randint(0, 31, (2, 5))
+    model(tokens).sum().backward()  # lazy init, forward order known
+    ctx = model._hyperfsdp_state.ctx
+    log = ctx.transition_log
+    log.clear()
+    names = {id(b): s.fqn for s in ctx.states if s.group for b in s.group.buckets}
+    orig = Bucket.start_unshard
+
+    def start_unshard(self, comm):
+        if self.pending is None and not self.is_unsharded:
+            log.append((names[id(self)], "gather_issued", "", ""))
+        return orig(self, comm)
+
+    Bucket.start_unshard = start_unshard
+    try:
+        loss = model(tokens).sum()
+        log.clear()
+        loss.backward()
+    finally:
+        Bucket.start_unshard = orig
+    return [(fqn, event) for fqn, event, *_ in log if event in ("gather_issued", "backward_pre")]
+
+
+def test_backward_prefetch_from_the_root_is_deferred_past_its_first_gradient(run_ranks):
+    events = run_ranks(2, backward_prefetch_order)[0]
+    # the root's own backward starts first; layers.1's gather is issued before its backward
+    assert events[0] == ("", "backward_pre")
+    assert events.index(("layers.1", "gather_issued")) < events.index(("layers.1", "backward_pre"))
+    assert events.index(("layers.0", "gather_issued")) < events.index(("layers.0", "backward_pre"))
