@@ -122,6 +122,7 @@ class Comm:
         self.pools = (
             {"gather": BufferPool(device), "reduce": BufferPool(device)} if self.is_cpu else None
         )
+        self.all_gather_stream = self.reduce_stream = None
         if not self.is_cpu:
             self._module = torch.get_device_module(device.type)
             self.all_gather_stream = self._module.Stream(device=device)
@@ -156,20 +157,15 @@ class Comm:
     # -- collectives ---------------------------------------------------------------------
     # ``custom`` is an FSDP2-style comm object (``set_custom_all_gather`` /
     # ``set_custom_reduce_scatter``): ``custom(output, input, group, [op,] async_op=...)``.
+    # The module-level ``_all_gather`` etc. are looked up at call time (tests count them).
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group, custom=None) -> Handle:
         self.stats.all_gathers += 1
         self.stats.all_gather_bytes += out.numel() * out.element_size()
         if custom is not None:
-            return self._issue(
-                self.all_gather_stream if not self.is_cpu else None,
-                lambda: custom(out, inp, group, async_op=self.is_cpu),
-                (out, inp),
-            )
-        if self.is_cpu:
-            return Handle(_all_gather(out, inp, group=group, async_op=True))
-        return self._on_stream(
-            self.all_gather_stream, _all_gather, (out, inp), {"group": group}, (out, inp)
-        )
+            call = lambda: custom(out, inp, group, async_op=self.is_cpu)  # noqa: E731
+        else:
+            call = lambda: _all_gather(out, inp, group=group, async_op=self.is_cpu)  # noqa: E731
+        return self._issue(self.all_gather_stream, call, (out, inp))
 
     def reduce_scatter(
         self, out: torch.Tensor, inp: torch.Tensor, group, op, custom=None
@@ -177,31 +173,23 @@ class Comm:
         self.stats.reduce_scatters += 1
         self.stats.reduce_scatter_bytes += inp.numel() * inp.element_size()
         if custom is not None:
-            return self._issue(
-                self.reduce_stream if not self.is_cpu else None,
-                lambda: custom(out, inp, group, op, async_op=self.is_cpu),
-                (out, inp),
-            )
-        if self.is_cpu:
-            return Handle(_reduce_scatter(out, inp, op=op, group=group, async_op=True))
-        return self._on_stream(
-            self.reduce_stream, _reduce_scatter, (out, inp), {"op": op, "group": group}, (out, inp)
-        )
+            call = lambda: custom(out, inp, group, op, async_op=self.is_cpu)  # noqa: E731
+        else:
+            call = lambda: _reduce_scatter(out, inp, op=op, group=group, async_op=self.is_cpu)  # noqa: E731
+        return self._issue(self.reduce_stream, call, (out, inp))
 
     def all_reduce(self, tensor: torch.Tensor, group, op) -> Handle:
         self.stats.all_reduces += 1
         self.stats.all_reduce_bytes += tensor.numel() * tensor.element_size()
-        if self.is_cpu:
-            return Handle(_all_reduce(tensor, op=op, group=group, async_op=True))
-        return self._on_stream(
-            self.reduce_stream, _all_reduce, (tensor,), {"op": op, "group": group}, (tensor,)
-        )
+        call = lambda: _all_reduce(tensor, op=op, group=group, async_op=self.is_cpu)  # noqa: E731
+        return self._issue(self.reduce_stream, call, (tensor,))
 
     def _issue(self, stream, call, keepalive) -> Handle:
-        """Run a custom collective: on CPU it may return a work handle (or finish in place)."""
-        if stream is None:
+        """Run one collective: async on CPU (a work handle, or none if it finished in
+        place), on ``stream`` ordered after the current stream on accelerators."""
+        if self.is_cpu:
             work = call()
-            return Handle(work, keepalive=keepalive) if work is not None else Handle(keepalive=None)
+            return Handle(work, keepalive=keepalive) if work is not None else Handle()
         stream.wait_stream(self._module.current_stream())
         with self._module.stream(stream):
             call()
@@ -210,10 +198,3 @@ class Comm:
 
     def current_stream(self):
         return self._module.current_stream()
-
-    def _on_stream(self, stream, fn, args, kwargs, keepalive) -> Handle:
-        stream.wait_stream(self._module.current_stream())
-        with self._module.stream(stream):
-            fn(*args, **kwargs)
-            event = stream.record_event()
-        return Handle(event=event, keepalive=keepalive, module=self._module)
