@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
-    from .plugins import DISABLE_AUTOLOAD_ENV, PluginLoadError, get_plugin_manager
+    from ._plugins import DISABLE_AUTOLOAD_ENV, PluginLoadError, get_plugin_manager
 
     try:
         pm = get_plugin_manager()

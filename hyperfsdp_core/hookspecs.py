@@ -17,12 +17,12 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from .mesh_info import MeshInfo
-    from .param import HSDPParam
-    from .plugins import Phase
-    from .reduction import Reduction
-    from .state import FSDPState
-    from .unit import UnitSpec
+    from ._mesh_info import MeshInfo
+    from ._param import HSDPParam
+    from ._plugins import Phase
+    from ._reduction import Reduction
+    from ._state import FSDPState
+    from ._unit import UnitSpec
 
 hookspec = pluggy.HookspecMarker("hyperfsdp")
 
@@ -112,7 +112,7 @@ def hyperfsdp_gradient_reducers(state: FSDPState) -> Callable[[list[Reduction]],
     rebuilt). The reducer is called once per post-backward of the unit, when the core
     drains that unit's reduce-scatters (in the next unit's post-backward or in the
     ``core.reduce_scatter_drain`` phase), with the list of this post-backward's
-    :class:`~hyperfsdp_core.reduction.Reduction` objects (one per bucket that reduced),
+    :class:`~hyperfsdp_core._reduction.Reduction` objects (one per bucket that reduced),
     every one of them complete. A reducer may take a reduction over (for example to
     all-reduce it over a replicate group and apply it in a later finalization phase)
     by calling ``reduction.defer()``; the core applies the others right after.
@@ -128,14 +128,14 @@ def hyperfsdp_gradient_reducers(state: FSDPState) -> Callable[[list[Reduction]],
 def hyperfsdp_finalize_phases() -> Sequence[Phase]:
     """Declare finalization phases run by the root after every backward.
 
-    A :class:`~hyperfsdp_core.plugins.Phase` names itself and the phases it runs
+    A :class:`~hyperfsdp_core._plugins.Phase` names itself and the phases it runs
     ``after``/``before``. The core resolves one order when plugins are registered
     (topological, ties broken by name); cycles and unknown names are errors, and the
     offending registration is rolled back. The core's reduce-scatter drain
     (``core.reduce_scatter_drain``) always runs first. A root captures the order at its
     lazy init; each ``run(ctx)`` then runs at the end of every backward that has
     ``is_last_backward`` set, with the root's
-    :class:`~hyperfsdp_core.context.RootContext`.
+    :class:`~hyperfsdp_core._context.RootContext`.
     """
 
 

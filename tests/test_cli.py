@@ -11,11 +11,11 @@ import sys
 import pytest
 
 from hyperfsdp_core import hookimpl
+from hyperfsdp_core._plugins import DISABLE_AUTOLOAD_ENV, FIRST_PHASE, Phase, get_plugin_manager
 from hyperfsdp_core.cli import main
-from hyperfsdp_core.plugins import DISABLE_AUTOLOAD_ENV, FIRST_PHASE, Phase, get_plugin_manager
 
 VERSION = importlib.metadata.version("hyperfsdp")
-BUILTINS = ("hyperfsdp_core.builtin.core", "hyperfsdp_core.builtin.mixed_precision")
+BUILTINS = ("hyperfsdp_core._builtin.core", "hyperfsdp_core._builtin.mixed_precision")
 
 
 def plugin_rows(out: str) -> dict[str, tuple[str, str]]:
@@ -50,7 +50,7 @@ def test_plugins_lists_builtins_with_distribution_and_version(capsys):
     expected = [p.name for p in pm.finalization_phases()]
     assert [name for _, name, _ in phases] == expected
     assert [pos for pos, _, _ in phases] == list(range(1, len(expected) + 1))
-    assert phases[0] == (1, FIRST_PHASE, "hyperfsdp_core.builtin.core")
+    assert phases[0] == (1, FIRST_PHASE, "hyperfsdp_core._builtin.core")
 
 
 class _ThirdParty:
@@ -73,7 +73,7 @@ def test_plugins_shows_a_registered_plugin_and_its_phases_in_order(capsys):
         pm.unregister(plugin)
     assert plugin_rows(out)["cli_test_plugin"] == ("-", "-")  # not from a distribution
     phases = [(name, owner) for _, name, owner in phase_rows(out)]
-    assert phases[0] == (FIRST_PHASE, "hyperfsdp_core.builtin.core")
+    assert phases[0] == (FIRST_PHASE, "hyperfsdp_core._builtin.core")
     early = phases.index(("aa.cli_test_early", "cli_test_plugin"))
     late = phases.index(("zz.cli_test_late", "cli_test_plugin"))
     assert early < late
@@ -102,11 +102,11 @@ def test_python_m_hyperfsdp_core_plugins():
     for name in BUILTINS:
         assert rows[name] == ("hyperfsdp", VERSION)
     assert "not loaded" not in proc.stdout
-    assert phase_rows(proc.stdout)[0] == (1, FIRST_PHASE, "hyperfsdp_core.builtin.core")
+    assert phase_rows(proc.stdout)[0] == (1, FIRST_PHASE, "hyperfsdp_core._builtin.core")
 
 
 def test_plugins_says_when_autoload_is_disabled(capsys, monkeypatch):
-    from hyperfsdp_core import plugins
+    from hyperfsdp_core import _plugins as plugins
 
     monkeypatch.setenv(DISABLE_AUTOLOAD_ENV, "1")
     monkeypatch.setattr(plugins, "_manager", None)  # rebuilt with the switch on, then restored
@@ -150,7 +150,7 @@ def test_console_script_help():
 
 
 def test_plugins_reports_a_plugin_that_fails_to_import(capsys, monkeypatch):
-    from hyperfsdp_core import plugins
+    from hyperfsdp_core import _plugins as plugins
 
     def broken(**kwargs):
         raise plugins.PluginLoadError(

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hyperfsdp_core import hookspecs
-from hyperfsdp_core.plugins import build_plugin_manager
+from hyperfsdp_core._plugins import build_plugin_manager
 
 ROOT = Path(__file__).resolve().parent.parent
 HOOKS_DOC = ROOT / "docs" / "plugin_hooks.md"

@@ -249,7 +249,7 @@ def test_next_units_all_gather_is_issued_before_its_forward(run_ranks):
 def backward_prefetch_order():
     """In backward the root prefetches the last block once its first gradient is
     accumulated (past the loss/head activation peak), before that block's backward."""
-    from hyperfsdp_core.group import Bucket
+    from hyperfsdp_core._group import Bucket
     from hyperfsdp_core.testing.reference import Transformer
 
     os.environ["HYPERFSDP_LOG_TRANSITIONS"] = "1"

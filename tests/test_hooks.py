@@ -23,8 +23,8 @@ from hyperfsdp_core import (
     get_plugin_manager,
     hookimpl,
 )
-from hyperfsdp_core.mesh_info import fsdp_mesh_info
-from hyperfsdp_core.plugins import FIRST_PHASE, Phase
+from hyperfsdp_core._mesh_info import fsdp_mesh_info
+from hyperfsdp_core._plugins import FIRST_PHASE, Phase
 from hyperfsdp_core.testing import run_on_ranks
 
 WORLD = 2

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from hyperfsdp_core import FSDPModule, fully_shard
-from hyperfsdp_core.module import fsdp_class
+from hyperfsdp_core._module import fsdp_class
 
 
 def class_union():

@@ -10,8 +10,9 @@ import threading
 import pluggy
 import pytest
 
-from hyperfsdp_core import hookimpl, plugins
-from hyperfsdp_core.plugins import (
+from hyperfsdp_core import _plugins as plugins
+from hyperfsdp_core import hookimpl
+from hyperfsdp_core._plugins import (
     BUILTIN_PLUGINS,
     DISABLE_AUTOLOAD_ENV,
     FIRST_PHASE,
@@ -240,7 +241,7 @@ def test_phase_hook_returning_a_non_phase_is_rejected(pm):
             return [("my.phase", _noop)]
 
     bad, generation = NotAPhase(), pm.generation
-    with pytest.raises(PhaseOrderError, match=r"expected hyperfsdp_core\.plugins\.Phase") as info:
+    with pytest.raises(PhaseOrderError, match=r"expected hyperfsdp_core\.plugin\.Phase") as info:
         pm.register(bad, name="bad")
     assert "'bad'" in str(info.value)
     _assert_rolled_back(pm, bad, [FIRST_PHASE], generation)
@@ -299,7 +300,7 @@ def test_unknown_hook_argument_is_rejected_before_registration(pm):
         pm.register(bad, name="bad")
     assert pm.get_plugin("bad") is None
     assert [impl.plugin_name for impl in pm.hook.hyperfsdp_validate_unit.get_hookimpls()] == [
-        "hyperfsdp_core.builtin.core"
+        "hyperfsdp_core._builtin.core"
     ]
 
 
@@ -337,7 +338,7 @@ def make_distribution(
 
 GOOD_PLUGIN = """
     from hyperfsdp_core import hookimpl
-    from hyperfsdp_core.plugins import Phase
+    from hyperfsdp_core._plugins import Phase
 
     def _run(ctx):
         pass
@@ -393,7 +394,7 @@ def test_entry_point_plugins_are_discovered_and_registered(site):
     infos = {info.name: info for info in pm.plugin_infos()}
     assert infos["fake_good"] == PluginInfo("fake_good", "hyperfsdp-fake-good", "1.2.3")
     assert infos["zz_fake_second"] == PluginInfo("zz_fake_second", "hyperfsdp-fake-good", "1.2.3")
-    assert infos["hyperfsdp_core.builtin.core"].distribution == "hyperfsdp"
+    assert infos["hyperfsdp_core._builtin.core"].distribution == "hyperfsdp"
     order = names(pm)
     assert order[0] == FIRST_PHASE
     assert "fake.after_drain" in order
@@ -453,11 +454,11 @@ def test_entry_point_already_registered_by_name_is_not_loaded_twice(site, monkey
         site,
         "hyperfsdp-fake-good",
         "1.2.3",
-        {"hyperfsdp_core.builtin.core": "hyperfsdp_fake_good"},
+        {"hyperfsdp_core._builtin.core": "hyperfsdp_fake_good"},
         {"hyperfsdp_fake_good": GOOD_PLUGIN},
     )
     pm = build_plugin_manager()
-    assert pm.get_plugin("hyperfsdp_core.builtin.core").__name__ == "hyperfsdp_core.builtin.core"
+    assert pm.get_plugin("hyperfsdp_core._builtin.core").__name__ == "hyperfsdp_core._builtin.core"
     assert "hyperfsdp_fake_good" not in sys.modules
 
 
@@ -520,12 +521,12 @@ def test_process_wide_manager_is_sealed_and_rejects_bad_plugins():
 def test_phase_owners_name_the_declaring_plugin(pm):
     pm.register(PhasePlugin(Phase("x.mine", _noop), Phase("x.also_mine", _noop)), name="mine")
     assert pm.phase_owners() == {
-        FIRST_PHASE: "hyperfsdp_core.builtin.core",
+        FIRST_PHASE: "hyperfsdp_core._builtin.core",
         "x.mine": "mine",
         "x.also_mine": "mine",
     }
     pm.unregister(name="mine")
-    assert pm.phase_owners() == {FIRST_PHASE: "hyperfsdp_core.builtin.core"}
+    assert pm.phase_owners() == {FIRST_PHASE: "hyperfsdp_core._builtin.core"}
 
 
 def test_autoloaded_flag_records_whether_entry_points_were_loaded(monkeypatch):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from .. import collectives as _coll
+from .. import _collectives as _coll
 
 KINDS = {"_all_gather": "ag", "_reduce_scatter": "rs", "_all_reduce": "ar"}
 

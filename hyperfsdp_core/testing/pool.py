@@ -119,7 +119,7 @@ def _reset_process_state(torch) -> None:
     gc.collect()
     torch.manual_seed(0)
     torch.set_default_dtype(torch.float32)
-    from hyperfsdp_core.plugins import reset_plugin_manager
+    from hyperfsdp_core._plugins import reset_plugin_manager
 
     reset_plugin_manager()
 

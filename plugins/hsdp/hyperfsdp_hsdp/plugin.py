@@ -22,11 +22,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from hyperfsdp_core import hookimpl
-from hyperfsdp_core.collectives import Comm, Handle
-from hyperfsdp_core.mesh_info import MeshInfo, ddp_mesh_info, hsdp_mesh_info
-from hyperfsdp_core.plugins import FIRST_PHASE, Phase
-from hyperfsdp_core.reduction import Reduction
-from hyperfsdp_core.unit import UnitSpec
+from hyperfsdp_core._collectives import Comm, Handle
+from hyperfsdp_core._mesh_info import MeshInfo, ddp_mesh_info, hsdp_mesh_info
+from hyperfsdp_core._plugins import FIRST_PHASE, Phase
+from hyperfsdp_core._reduction import Reduction
+from hyperfsdp_core._unit import UnitSpec
 
 PHASE = "dp.all_reduce"
 _STASH = "hyperfsdp_hsdp"

@@ -225,7 +225,7 @@ def later_phase_sees_all_reduced_grads():
     """A phase ordered after dp.all_reduce (where tensor parallelism's goes) finds every
     gradient applied; the core drain alone would leave the HSDP ones pending."""
     from hyperfsdp_core import get_plugin_manager, hookimpl
-    from hyperfsdp_core.plugins import Phase
+    from hyperfsdp_core._plugins import Phase
 
     seen = []
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from .state import FSDPState
+    from ._state import FSDPState
 
 UNIONED_PACKAGE = "hyperfsdp_core.unioned"
 
@@ -72,7 +72,7 @@ class FSDPModule:
             return UnshardHandle() if async_op else None
         state.ensure_storage()
         if state.comm is None:
-            from .collectives import Comm
+            from ._collectives import Comm
 
             state.comm = Comm(state.device)
         group.init_unsharded()
@@ -213,7 +213,7 @@ class FSDPModule:
 
     def sharding_plan(self):
         """One row per managed parameter of this unit and its sub-units (see API.md)."""
-        from .plan import sharding_plan
+        from ._plan import sharding_plan
 
         return sharding_plan(self)
 
@@ -226,7 +226,7 @@ class FSDPModule:
         result = super()._apply(*args, **kwargs)  # type: ignore[misc]
         if state.group is not None:
             if len(state.modules) == 1:
-                from .api import reset_sharded_params
+                from ._api import reset_sharded_params
 
                 reset_sharded_params(state)
             else:  # rebuild once every module of the list unit is converted

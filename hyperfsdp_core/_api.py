@@ -13,15 +13,15 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .collectives import Comm
-from .group import ParamGroup
-from .mesh_info import mesh_device
-from .module import FSDPModule, fsdp_class
-from .param import HSDPParam
-from .plugins import get_plugin_manager
+from ._collectives import Comm
+from ._group import ParamGroup
+from ._mesh_info import mesh_device
+from ._module import FSDPModule, fsdp_class
+from ._param import HSDPParam
+from ._plugins import get_plugin_manager
+from ._state import FSDPState
+from ._unit import UnitSpec
 from .policies import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
-from .state import FSDPState
-from .unit import UnitSpec
 
 _DEFAULT_MP = MixedPrecisionPolicy()
 _DEFAULT_OFFLOAD = OffloadPolicy()

@@ -22,8 +22,8 @@ ENTRY_POINT_GROUP = "hyperfsdp"
 DISABLE_AUTOLOAD_ENV = "HYPERFSDP_DISABLE_PLUGIN_AUTOLOAD"
 #: Plugins that ship with the core, registered before any entry point.
 BUILTIN_PLUGINS = (
-    "hyperfsdp_core.builtin.core",
-    "hyperfsdp_core.builtin.mixed_precision",
+    "hyperfsdp_core._builtin.core",
+    "hyperfsdp_core._builtin.mixed_precision",
 )
 #: The core's own phase; every other phase runs after it.
 FIRST_PHASE = "core.reduce_scatter_drain"
@@ -41,7 +41,7 @@ def _names(value: Iterable[str]) -> tuple[str, ...]:
 class Phase:
     """One finalization step, declared as data by a plugin.
 
-    ``run(ctx)`` is called with the root's :class:`~hyperfsdp_core.context.RootContext`
+    ``run(ctx)`` is called with the root's :class:`~hyperfsdp_core._context.RootContext`
     at the end of every backward. ``after``/``before`` name phases that must exist;
     ``after_if_present``/``before_if_present`` order against phases of plugins that
     may not be installed.
@@ -155,7 +155,7 @@ class HyperFSDPPluginManager(pluggy.PluginManager):
                 if not isinstance(phase, Phase):
                     raise PhaseOrderError(
                         f"plugin {impl.plugin_name!r} returned {phase!r} from "
-                        "hyperfsdp_finalize_phases; expected hyperfsdp_core.plugins.Phase"
+                        "hyperfsdp_finalize_phases; expected hyperfsdp_core.plugin.Phase"
                     )
                 if phase.name in phases:
                     raise PhaseOrderError(

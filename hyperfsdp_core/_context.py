@@ -11,12 +11,12 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
+from ._collectives import Comm
 from ._torch_private import queue_end_of_backward_callback
-from .collectives import Comm
 
 if TYPE_CHECKING:
-    from .reduction import Reduction
-    from .state import FSDPState
+    from ._reduction import Reduction
+    from ._state import FSDPState
 
 #: Set to a non-empty value to log every unit's state transitions (logger below, INFO).
 LOG_TRANSITIONS_ENV = "HYPERFSDP_LOG_TRANSITIONS"

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from .collectives import Comm, Handle
-from .layout import Segment, pack_segments
-from .param import HSDPParam
+from ._collectives import Comm, Handle
+from ._layout import Segment, pack_segments
+from ._param import HSDPParam
 
 if TYPE_CHECKING:
-    from .group import Bucket
+    from ._group import Bucket
 
 
 class _Ready(Handle):

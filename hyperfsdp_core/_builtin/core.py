@@ -8,10 +8,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ..mesh_info import MeshInfo, fsdp_mesh_info
-from ..plugins import FIRST_PHASE, Phase, hookimpl
+from .._mesh_info import MeshInfo, fsdp_mesh_info
+from .._plugins import FIRST_PHASE, Phase, hookimpl
+from .._unit import UnitSpec
 from ..policies import CPUOffloadPolicy
-from ..unit import UnitSpec
 
 _mesh_infos: weakref.WeakKeyDictionary[DeviceMesh, MeshInfo] = weakref.WeakKeyDictionary()
 
@@ -50,7 +50,7 @@ def hyperfsdp_validate_unit(unit: UnitSpec) -> None:
 
 
 def _has_plugin(name: str) -> bool:
-    from ..plugins import get_plugin_manager
+    from .._plugins import get_plugin_manager
 
     return get_plugin_manager().get_plugin(name) is not None
 

@@ -16,10 +16,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .collectives import Comm
-from .context import RootContext
-from .group import ParamGroup
-from .plugins import get_plugin_manager
+from ._collectives import Comm
+from ._context import RootContext
+from ._group import ParamGroup
+from ._plugins import get_plugin_manager
 
 
 class TrainingState(enum.Enum):
@@ -229,7 +229,7 @@ class FSDPState:
     def ensure_storage(self) -> None:
         """Rebuild the sharded storage if a list unit's modules were converted since."""
         if self.needs_reset:
-            from .api import reset_sharded_params
+            from ._api import reset_sharded_params
 
             self.needs_reset = False
             reset_sharded_params(self)

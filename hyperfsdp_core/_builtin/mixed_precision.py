@@ -13,8 +13,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from ..plugins import hookimpl
-from ..unit import UnitSpec
+from .._plugins import hookimpl
+from .._unit import UnitSpec
 
 
 def _cast(dtype: torch.dtype, x):

@@ -7,7 +7,7 @@
   flat sharded buffer; the actual shard is a prefix view of it and the padding
   (only for uneven shapes) stays zero.
 
-The flat buffers themselves belong to the :class:`~hyperfsdp_core.group.Bucket`.
+The flat buffers themselves belong to the :class:`~hyperfsdp_core._group.Bucket`.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ._layout import ShardLayout
+from ._mesh_info import MeshInfo
 from ._torch_private import dtensor_from_local_fast
-from .layout import ShardLayout
-from .mesh_info import MeshInfo
 
 
 class StorageOwner(str, enum.Enum):

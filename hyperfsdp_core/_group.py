@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import Comm, Handle
-from .layout import pack_segments
-from .mesh_info import MeshInfo
-from .param import HSDPParam, StorageOwner
-from .reduction import READY, Reduction, reduce_bucket
+from ._collectives import Comm, Handle
+from ._layout import pack_segments
+from ._mesh_info import MeshInfo
+from ._param import HSDPParam, StorageOwner
+from ._reduction import READY, Reduction, reduce_bucket
 
 
 class ShardedState(enum.Enum):
@@ -316,7 +316,7 @@ class ParamGroup:
         self.apply_settings()
 
     def apply_settings(self) -> None:
-        from .mesh_info import post_forward_mesh_info, separate_group
+        from ._mesh_info import post_forward_mesh_info, separate_group
 
         for b in self.buckets:
             if self.divide_factor is not None:

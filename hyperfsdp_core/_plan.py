@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from .param import HSDPParam
+from ._param import HSDPParam
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
