@@ -43,7 +43,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo.add_parser(sub)
     bench.add_parser(sub)
+    _plugin_commands(sub)
     return parser
+
+
+def _plugin_commands(sub) -> None:
+    """Commands contributed by plugins (``hyperfsdp_cli_commands``)."""
+    from ._plugins import PluginLoadError, get_plugin_manager
+
+    try:
+        pm = get_plugin_manager()
+    except PluginLoadError:
+        return  # `hyperfsdp plugins` reports the broken plugin
+    pm.hook.hyperfsdp_cli_commands(subparsers=sub)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
+    import argparse
+
     import torch
     from torch import nn
 
@@ -150,4 +152,24 @@ def hyperfsdp_param_reset(param: HSDPParam) -> None:
 
     Called after ``load_state_dict(assign=True)``, ``module.to(...)``/``_apply`` and
     ``to_empty()``, once the padded communication storage is rebuilt.
+    """
+
+
+# --------------------------------------------------------------------------------------
+# command line: the ``hyperfsdp`` command
+# --------------------------------------------------------------------------------------
+
+
+@hookspec
+def hyperfsdp_cli_commands(subparsers: argparse._SubParsersAction) -> None:
+    """Add subcommands to the ``hyperfsdp`` command line.
+
+    Called once per invocation of ``hyperfsdp`` (or ``python -m hyperfsdp_core``),
+    while the parser is built, after the core's own commands are added.
+
+    :param subparsers: the ``argparse`` subparsers object of the ``hyperfsdp`` parser;
+        call ``subparsers.add_parser(name, help=...)`` and ``set_defaults(func=...)`` on
+        the new parser. ``func(args)`` runs the command and returns the exit status
+        (``None`` means 0).
+    :returns: nothing.
     """

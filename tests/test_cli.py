@@ -182,3 +182,28 @@ def test_demo_help_describes_parity(capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "--world-size" in out and "reference" in out
+
+
+class _HelloCommand:
+    @hookimpl
+    def hyperfsdp_cli_commands(self, subparsers):
+        p = subparsers.add_parser("hook-hello", help="say hello (test plugin)")
+        p.add_argument("name")
+        p.set_defaults(func=lambda args: print(f"hello, {args.name}") or 3)
+
+
+def test_hook_cli_commands(capsys):
+    pm = get_plugin_manager()
+    plugin = _HelloCommand()
+    pm.register(plugin, name="cli_hello_plugin")
+    try:
+        assert main(["hook-hello", "world"]) == 3
+        assert capsys.readouterr().out == "hello, world\n"
+        with pytest.raises(SystemExit):
+            main(["--help"])
+        assert re.search(r"^\s+hook-hello\s+say hello", capsys.readouterr().out, re.MULTILINE)
+    finally:
+        pm.unregister(plugin)
+    with pytest.raises(SystemExit) as info:
+        main(["hook-hello", "world"])
+    assert info.value.code == 2  # gone with its plugin
