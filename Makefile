@@ -6,19 +6,21 @@ else
 PY := $(CURDIR)/.venv/bin/python
 endif
 TORCH_PIN ?= torch==2.13.0
-PLUGIN_DIRS := $(sort $(dir $(wildcard plugins/*/pyproject.toml)))
-TEST_DIRS := tests $(wildcard plugins/*/tests)
+# plugins/ (ours) and examples/ (the example third-party plugin): each its own distribution
+PLUGIN_DIRS := $(sort $(dir $(wildcard plugins/*/pyproject.toml examples/*/pyproject.toml)))
+TEST_DIRS := tests $(wildcard plugins/*/tests) $(wildcard examples/*/tests)
+DIST_DIR ?= dist
 STAMP := $(dir $(PY)).hyperfsdp-installed
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench lint clean
+.PHONY: install test demo bench lint dist clean
 
 $(PY):
 	$(PYTHON) -m venv $(dir $(PY))..
 
 # Installs whatever is missing: torch (pinned CPU build) if absent, the core
 # editable with its test/demo/lint extras, and every plugin under plugins/.
-$(STAMP): $(PY) pyproject.toml $(wildcard plugins/*/pyproject.toml)
+$(STAMP): $(PY) pyproject.toml $(wildcard plugins/*/pyproject.toml examples/*/pyproject.toml)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install $(TORCH_PIN)
 	$(PY) -m pip install -q -e ".[test,demo,lint]" $(foreach d,$(PLUGIN_DIRS),-e $(d))
 	touch $(STAMP)
@@ -37,5 +39,10 @@ bench: install
 lint: install
 	$(PY) -m ruff check .
 
+# Wheels of the core and of every plugin under plugins/ (pip install --find-links $(DIST_DIR) ...)
+dist: install
+	rm -rf $(DIST_DIR)
+	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w $(DIST_DIR) . $(sort $(dir $(wildcard plugins/*/pyproject.toml)))
+
 clean:
-	rm -rf build *.egg-info hyperfsdp_core/*.egg-info plugins/*/*.egg-info
+	rm -rf build dist *.egg-info hyperfsdp_core/*.egg-info plugins/*/*.egg-info plugins/*/build examples/*/*.egg-info examples/*/build

@@ -78,31 +78,42 @@ def fully_shard(
         mesh_was_default=mesh_was_default,
     )
     pm = get_plugin_manager()
-    pm.hook.hyperfsdp_validate_unit(unit=unit)
+    hook = pm.hook
+    hook.hyperfsdp_validate_unit(unit=unit)
     # Decide everything before touching the module.
+    storage = hook.hyperfsdp_sharded_storage(unit=unit)
+    if storage is None and type(offload_policy) is not OffloadPolicy:
+        raise ImportError(
+            f"offload_policy={offload_policy!r} needs a plugin that places sharded storage "
+            "(none installed answered hyperfsdp_sharded_storage): pip install hyperfsdp[offload]"
+        )
     decisions = []
     for fqn, param in named:
-        mesh_info = pm.hook.hyperfsdp_select_mesh_info(unit=unit, fqn=fqn, param=param)
-        shard_dim = _shard_dim(unit, fqn, param, mesh_info)
-        dtypes = pm.hook.hyperfsdp_param_dtypes(unit=unit, param=param) or (None, None)
-        decisions.append((fqn, param, mesh_info, shard_dim, dtypes))
+        mesh_info = hook.hyperfsdp_select_mesh_info(unit=unit, fqn=fqn, param=param)
+        shard_dim = _shard_dim(unit, fqn, param)
+        layout = hook.hyperfsdp_param_layout(
+            unit=unit, fqn=fqn, param=param, mesh_info=mesh_info, shard_dim=shard_dim
+        )
+        _check_even(fqn, layout.tensor, shard_dim, mesh_info.shard_size)
+        dtypes = hook.hyperfsdp_param_dtypes(unit=unit, param=param) or (None, None)
+        decisions.append((fqn, param, mesh_info, shard_dim, layout, dtypes))
     mixins: list[type] = []
-    for result in pm.hook.hyperfsdp_module_mixins(unit=unit):
+    for result in hook.hyperfsdp_module_mixins(unit=unit):
         for mixin in result or ():
             if mixin not in mixins:
                 mixins.append(mixin)
 
     device = mesh_device(mesh)
     hsdp_params, locals_by_param = [], {}
-    for fqn, param, mesh_info, shard_dim, (param_dtype, reduce_dtype) in decisions:
-        hp = HSDPParam(fqn, param, registrations[id(param)], mesh_info, shard_dim)
+    for fqn, param, mesh_info, shard_dim, layout, (param_dtype, reduce_dtype) in decisions:
+        hp = HSDPParam(fqn, param, layout, registrations[id(param)], mesh_info, shard_dim)
         hp.param_dtype = param_dtype or param.dtype
         hp.reduce_dtype = reduce_dtype or hp.param_dtype
-        locals_by_param[id(hp)] = _initial_local(hp, param, device)
+        locals_by_param[id(hp)] = _initial_local(hp, layout.tensor, device)
         hsdp_params.append(hp)
         _RETIRED.add(param, fqn)
     _move_managed_buffers(modules, sub_states, device)
-    group = ParamGroup(hsdp_params) if hsdp_params else None
+    group = ParamGroup(hsdp_params, device, storage) if hsdp_params else None
     if group is not None:
         group.build_sharded(locals_by_param, _storage_device(locals_by_param.values(), device))
         if not isinstance(reshard_after_forward, bool) and isinstance(reshard_after_forward, int):
@@ -113,7 +124,8 @@ def fully_shard(
     state.offload_policy = offload_policy
     for m in modules:
         m.__class__ = fsdp_class(type(m), tuple(mixins))
-        m.register_state_dict_pre_hook(_reshard_before_state_dict)
+        m.register_state_dict_pre_hook(_before_state_dict)
+        m.register_load_state_dict_pre_hook(_convert_before_load)
         m.register_load_state_dict_post_hook(_reset_after_load)
     _install_optimizer_check()
     return module
@@ -209,7 +221,7 @@ def _collect_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]):
     return named, registrations, sub_states
 
 
-def _shard_dim(unit: UnitSpec, fqn: str, param: nn.Parameter, mesh_info) -> int:
+def _shard_dim(unit: UnitSpec, fqn: str, param: nn.Parameter) -> int:
     if param.ndim == 0:
         raise ValueError(
             f"fully_shard: parameter {fqn!r} is a scalar (0-d); FSDP shards along a dim. "
@@ -228,19 +240,21 @@ def _shard_dim(unit: UnitSpec, fqn: str, param: nn.Parameter, mesh_info) -> int:
         raise ValueError(
             f"shard_placement_fn returned Shard({placement.dim}) for {fqn!r} of shape {tuple(param.shape)}"
         )
-    world = mesh_info.shard_size
-    if dim != 0 and param.shape[dim] % world != 0:
-        raise ValueError(
-            f"fully_shard: parameter {fqn!r} of shape {tuple(param.shape)} cannot be sharded "
-            f"on dim {dim} over {world} ranks: {param.shape[dim]} is not divisible by {world}. "
-            "Only dim 0 may be uneven; shard on dim 0 (return None from shard_placement_fn) "
-            "or pick a dim whose size divides evenly"
-        )
     return dim
 
 
-def _initial_local(hp: HSDPParam, param: nn.Parameter, device: torch.device) -> torch.Tensor:
-    data = param.detach()
+def _check_even(fqn: str, tensor: torch.Tensor, dim: int, world: int) -> None:
+    if dim != 0 and tensor.shape[dim] % world != 0:
+        raise ValueError(
+            f"fully_shard: parameter {fqn!r} of shape {tuple(tensor.shape)} cannot be sharded "
+            f"on dim {dim} over {world} ranks: {tensor.shape[dim]} is not divisible by {world}. "
+            "Only dim 0 may be uneven; shard on dim 0 (return None from shard_placement_fn) "
+            "or pick a dim whose size divides evenly"
+        )
+
+
+def _initial_local(hp: HSDPParam, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    data = tensor.detach()
     if data.device.type == "meta":
         return torch.empty(hp.layout.actual_shape, dtype=data.dtype, device="meta")
     local = hp.local_shard_of(data)
@@ -266,68 +280,42 @@ def _move_managed_buffers(modules, sub_states, device) -> None:
         visit(m)
 
 
-def _reshard_before_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+def _before_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
     state = module._hyperfsdp_state  # type: ignore[attr-defined]
     if state.group is not None:
         state.group.reshard()
+    get_plugin_manager().hook.hyperfsdp_state_dict_pre_save(unit=state.view)
+
+
+def _convert_before_load(module: nn.Module, state_dict, prefix: str, *args) -> None:
+    """Let plugins (and the core's default) convert incoming values of managed parameters."""
+    state = module._hyperfsdp_state  # type: ignore[attr-defined]
+    if state.group is None:
+        return
+    ours = {id(p.sharded_param): p for p in state.group.params}
+    convert = get_plugin_manager().hook.hyperfsdp_load_convert
+    for name, param in module.named_parameters(remove_duplicate=False):
+        p = ours.get(id(param))
+        key = prefix + name
+        if p is None or key not in state_dict:
+            continue
+        value = state_dict[key]
+        if (
+            isinstance(value, DTensor)
+            and tuple(value.placements) == p.placements
+            and value.device_mesh == p.dtensor_mesh
+        ):
+            continue
+        converted = convert(param=p.view, value=value)
+        if converted is not None:
+            state_dict[key] = converted
 
 
 def _reset_after_load(module: nn.Module, incompatible_keys) -> None:
     state = module._hyperfsdp_state  # type: ignore[attr-defined]
     if state.group is not None:
-        reset_sharded_params(state)
-
-
-def reset_sharded_params(state: FSDPState) -> None:
-    """Rebuild a unit's flat sharded storage around its currently registered parameters.
-
-    After ``load_state_dict(assign=True)`` the registered Parameter objects are new;
-    after ``_apply`` (``to``, ``to_empty``, dtype casts) their local tensors are. Either
-    way the actual shards are copied into fresh padded storage (padding zeroed) and the
-    parameters' local tensors become views of it.
-    """
-    group = state.group
-    assert group is not None
-    group.reshard()
-    locals_by_param = {}
-    for p in group.params:
-        registered = p.registered()
-        if not isinstance(registered, DTensor):
-            raise ValueError(
-                f"parameter {p.fqn!r} was replaced by a {type(registered).__name__}; a sharded "
-                "module needs DTensor parameters (load a sharded state dict, e.g. from "
-                "model.state_dict() or torch.distributed.checkpoint)"
-            )
-        if (
-            registered.shape != torch.Size(p.global_shape)
-            or tuple(registered.placements) != p.placements
-        ):
-            raise ValueError(
-                f"parameter {p.fqn!r}: expected a DTensor of global shape {p.global_shape} with "
-                f"placements {p.placements}, got {tuple(registered.shape)} with {tuple(registered.placements)}"
-            )
-        local = registered.to_local()
-        if tuple(local.shape) != p.layout.actual_shape:
-            raise ValueError(
-                f"parameter {p.fqn!r}: local shard has shape {tuple(local.shape)}, expected "
-                f"{p.layout.actual_shape} on this rank"
-            )
-        if registered is not p.sharded_param:
-            p.sharded_param = registered
-        if local.dtype != p.orig_dtype:
-            same = p.param_dtype == p.orig_dtype
-            p.orig_dtype = local.dtype
-            if same:
-                p.param_dtype = p.reduce_dtype = local.dtype
-        locals_by_param[id(p)] = local.detach()
-    device = _storage_device(locals_by_param.values(), next(iter(locals_by_param.values())).device)
-    group.rebucket()  # dtypes may have changed
-    group.build_sharded(locals_by_param, device)
-    if state.ctx is not None:
-        state.prepare_group()
-    hook = get_plugin_manager().hook.hyperfsdp_param_reset
-    for p in group.params:
-        hook(param=p)
+        state.reset_sharded_params()
+    get_plugin_manager().hook.hyperfsdp_state_dict_post_load(unit=state.view)
 
 
 # -- optimizer built before fully_shard ------------------------------------------------------------
@@ -409,10 +397,9 @@ def share_comm_ctx(modules: Sequence[FSDPModule]) -> None:
         if not isinstance(m, FSDPModule):
             raise ValueError(f"share_comm_ctx expects FSDPModules, got {type(m).__name__}")
     states = [m._fsdp_state() for m in modules]
-    comm = states[0].comm or Comm(states[0].device)
+    first = states[0].comm
+    comm = first if first is not None and not first.provisional else Comm(states[0].device)
     for state in states:
         state.comm = comm
         if state.ctx is not None:
-            state.ctx.comm = comm
-            for s in state.ctx.states:
-                s.comm = comm
+            state.ctx.set_comm(comm)

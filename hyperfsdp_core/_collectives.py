@@ -9,14 +9,19 @@ on accelerators collectives run on dedicated streams ordered by events (no
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import attrs
 import torch
 import torch.distributed as dist
+
+from ._records import CollectiveEvent
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_reduce = dist.all_reduce
+_broadcast = dist.broadcast
 
 
 @attrs.define
@@ -117,6 +122,10 @@ class Comm:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stats = CommStats()
+        #: ``hyperfsdp_collective_observer`` callables; empty (the common case) costs one test
+        self.observers: list[Callable[[CollectiveEvent], None]] = []
+        #: made by ``unshard()`` before the root's first forward: replaced at lazy init
+        self.provisional = False
         self.is_cpu = device.type == "cpu"
         # one pool per use: all-gather outputs and reduce-scatter inputs
         self.pools = (
@@ -158,43 +167,131 @@ class Comm:
     # ``custom`` is an FSDP2-style comm object (``set_custom_all_gather`` /
     # ``set_custom_reduce_scatter``): ``custom(output, input, group, [op,] async_op=...)``.
     # The module-level ``_all_gather`` etc. are looked up at call time (tests count them).
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group, custom=None) -> Handle:
+    # ``unit`` names the unit for observers; ``prepare`` (all-gather only) runs on the
+    # communication stream right before the collective (copy-in of the input).
+    def all_gather(
+        self, out: torch.Tensor, inp: torch.Tensor, group, custom=None, *, unit=None, prepare=None
+    ) -> Handle:
         self.stats.all_gathers += 1
         self.stats.all_gather_bytes += out.numel() * out.element_size()
+        if self.observers:
+            self._observe("all_gather", group, out, unit)
         if custom is not None:
             call = lambda: custom(out, inp, group, async_op=self.is_cpu)  # noqa: E731
         else:
             call = lambda: _all_gather(out, inp, group=group, async_op=self.is_cpu)  # noqa: E731
-        return self._issue(self.all_gather_stream, call, (out, inp))
+        return self._issue(self.all_gather_stream, call, (out, inp), prepare)
 
     def reduce_scatter(
-        self, out: torch.Tensor, inp: torch.Tensor, group, op, custom=None
+        self, out: torch.Tensor, inp: torch.Tensor, group, op, custom=None, *, unit=None
     ) -> Handle:
         self.stats.reduce_scatters += 1
         self.stats.reduce_scatter_bytes += inp.numel() * inp.element_size()
+        if self.observers:
+            self._observe("reduce_scatter", group, inp, unit)
         if custom is not None:
             call = lambda: custom(out, inp, group, op, async_op=self.is_cpu)  # noqa: E731
         else:
             call = lambda: _reduce_scatter(out, inp, op=op, group=group, async_op=self.is_cpu)  # noqa: E731
         return self._issue(self.reduce_stream, call, (out, inp))
 
-    def all_reduce(self, tensor: torch.Tensor, group, op) -> Handle:
+    def all_reduce(self, tensor: torch.Tensor, group, op, *, unit=None) -> Handle:
         self.stats.all_reduces += 1
         self.stats.all_reduce_bytes += tensor.numel() * tensor.element_size()
+        if self.observers:
+            self._observe("all_reduce", group, tensor, unit)
         call = lambda: _all_reduce(tensor, op=op, group=group, async_op=self.is_cpu)  # noqa: E731
         return self._issue(self.reduce_stream, call, (tensor,))
 
-    def _issue(self, stream, call, keepalive) -> Handle:
+    def broadcast(self, tensor: torch.Tensor, src: int, group, *, unit=None) -> Handle:
+        if self.observers:
+            self._observe("broadcast", group, tensor, unit)
+        call = lambda: _broadcast(tensor, group_src=src, group=group, async_op=self.is_cpu)  # noqa: E731
+        return self._issue(self.reduce_stream, call, (tensor,))
+
+    def _observe(self, kind: str, group, tensor: torch.Tensor, unit) -> None:
+        event = CollectiveEvent(
+            kind,
+            dist.get_world_size(group),
+            tensor.numel() * tensor.element_size(),
+            tensor.dtype,
+            unit,
+        )
+        for observer in self.observers:
+            observer(event)
+
+    def _issue(self, stream, call, keepalive, prepare=None) -> Handle:
         """Run one collective: async on CPU (a work handle, or none if it finished in
         place), on ``stream`` ordered after the current stream on accelerators."""
         if self.is_cpu:
+            if prepare is not None:
+                prepare()
             work = call()
             return Handle(work, keepalive=keepalive) if work is not None else Handle()
         stream.wait_stream(self._module.current_stream())
         with self._module.stream(stream):
+            if prepare is not None:
+                prepare()
             call()
             event = stream.record_event()
         return Handle(event=event, keepalive=keepalive, module=self._module)
 
     def current_stream(self):
         return self._module.current_stream()
+
+
+class PluginComm:
+    """The communication facade plugins use (``root.comm``): one async collective per call.
+
+    Every method issues the collective and returns a :class:`Work` to ``wait()`` on.
+    On CPU (gloo) the collective runs on the backend's threads while the caller goes
+    on; on accelerators it runs on the core's communication stream, ordered after
+    the work already queued on the current stream, and ``wait()`` makes the current
+    stream wait for it (the host does not block). Tensors passed in are kept alive
+    until the work is waited for. ``unit`` (a unit's ``fqn``) labels the collective
+    for ``hyperfsdp_collective_observer``; counts appear in the core's statistics.
+    """
+
+    __slots__ = ("_hyperfsdp_comm",)
+
+    def __init__(self, comm: Comm) -> None:
+        self._hyperfsdp_comm = comm
+
+    @property
+    def device(self) -> torch.device:
+        """The device collectives run on (CPU for gloo)."""
+        return self._hyperfsdp_comm.device
+
+    def all_reduce(
+        self, tensor: torch.Tensor, group, op=dist.ReduceOp.SUM, *, unit: str | None = None
+    ) -> Work:
+        """All-reduce ``tensor`` in place over ``group``."""
+        return self._hyperfsdp_comm.all_reduce(tensor, group, op, unit=unit)
+
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, group, *, unit: str | None = None
+    ) -> Work:
+        """Gather every rank's ``input`` into ``output`` (``group size * input.numel()``
+        elements, rank-major)."""
+        return self._hyperfsdp_comm.all_gather(output, input, group, unit=unit)
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group,
+        op=dist.ReduceOp.SUM,
+        *,
+        unit: str | None = None,
+    ) -> Work:
+        """Reduce ``input`` over ``group`` and keep this rank's slice in ``output``."""
+        return self._hyperfsdp_comm.reduce_scatter(output, input, group, op, unit=unit)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group, *, unit: str | None = None) -> Work:
+        """Broadcast ``tensor`` from group rank ``src`` to every rank of ``group``."""
+        return self._hyperfsdp_comm.broadcast(tensor, src, group, unit=unit)
+
+
+#: What :class:`PluginComm` methods return: ``wait()`` (idempotent) makes the result
+#: usable by the current stream; ``abandon()`` waits ignoring errors (for ``reset()``).
+Work = Handle

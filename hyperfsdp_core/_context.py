@@ -9,10 +9,12 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from ._collectives import Comm
+from ._collectives import Comm, PluginComm
+from ._stash import Stash
 from ._torch_private import queue_end_of_backward_callback
+from ._views import RootView
 
 if TYPE_CHECKING:
     from ._reduction import Reduction
@@ -29,10 +31,13 @@ class RootContext:
     def __init__(self, root: FSDPState, states: list[FSDPState], comm: Comm) -> None:
         self.root = root
         self.states = states
+        self.unit_views = tuple(s.view for s in states)
         self.comm = comm
+        self.plugin_comm = PluginComm(comm)
+        self.view = RootView(self)
         self.finalize_runs: tuple = ()
-        #: Plugins' per-root data (queues, groups), keyed by the plugin's own key.
-        self.stash: dict[Any, Any] = {}
+        #: Plugins' per-root data (queues, groups), under their own StashKeys.
+        self.stash = Stash()
         # per iteration
         self.iter_forward_root: FSDPState | None = None
         self.in_backward = False
@@ -46,6 +51,14 @@ class RootContext:
         self.transition_log: list[tuple[str, str, str, str]] | None = None
         if os.environ.get(LOG_TRANSITIONS_ENV):
             self.enable_transition_log()
+
+    def set_comm(self, comm: Comm) -> None:
+        """Use ``comm`` for every unit of this root (``share_comm_ctx``)."""
+        comm.observers.extend(o for o in self.comm.observers if o not in comm.observers)
+        self.comm = comm
+        self.plugin_comm = PluginComm(comm)
+        for state in self.states:
+            state.comm = comm
 
     # -- transition log ---------------------------------------------------------------------
     def enable_transition_log(self) -> list[tuple[str, str, str, str]]:
@@ -113,7 +126,7 @@ class RootContext:
         """
         for _, reductions in self.pending_reductions:
             for red in reductions:
-                red.handle.abandon()
+                red._abandon()
         for value in self.stash.values():
             reset = getattr(value, "reset", None)
             if callable(reset):
@@ -129,14 +142,11 @@ class RootContext:
 
 
 def finish_reductions(state: FSDPState, reductions: list[Reduction], comm: Comm) -> None:
-    """Wait for one post-backward's reductions, run the unit's reducers, apply the rest."""
+    """Wait for one post-backward's reductions, run the unit's reducers, then release the
+    core's hold: what no reducer deferred or consumed lands on ``.grad`` now."""
     for red in reductions:
-        red.wait(comm)
+        red._wait(comm)
     for reducer in state.reducers:
         reducer(reductions)
     for red in reductions:
-        if not red.deferred:
-            hook = red.bucket.all_reduce_hook
-            if hook is not None:
-                hook(red.output)
-            red.apply()
+        red.release()

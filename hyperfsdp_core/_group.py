@@ -17,6 +17,8 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -27,6 +29,10 @@ from ._layout import pack_segments
 from ._mesh_info import MeshInfo
 from ._param import HSDPParam, StorageOwner
 from ._reduction import READY, Reduction, reduce_bucket
+
+if TYPE_CHECKING:
+    from ._records import ShardedStorage
+    from ._views import UnitView
 
 
 class ShardedState(enum.Enum):
@@ -62,6 +68,11 @@ def _standalone(view: torch.Tensor) -> torch.Tensor:
         return view
 
 
+def _copy_in(src: torch.Tensor, dest: torch.Tensor) -> None:
+    """The default all-gather input: the sharded storage, cast and/or moved."""
+    dest.copy_(src, non_blocking=True)
+
+
 def _alias(base: torch.Tensor, offset: int, shape: tuple[int, ...], stride) -> torch.Tensor:
     """A tensor on ``base``'s storage with its own version counter.
 
@@ -76,14 +87,20 @@ def _alias(base: torch.Tensor, offset: int, shape: tuple[int, ...], stride) -> t
 class Bucket:
     """Parameters that share topology and dtypes: one all-gather, one reduce-scatter."""
 
-    def __init__(self, params: list[HSDPParam]) -> None:
+    def __init__(self, params: list[HSDPParam], device: torch.device) -> None:
         first = params[0]
         self.params = params
+        self.compute_device = device  # where the unsharded parameters and collectives live
+        self.unit: UnitView | None = None
+        self.unit_fqn: str | None = None
+        # hyperfsdp_all_gather_input: fn(sharded_flat, dest) writes the all-gather input
+        self.fill_input: Callable[[torch.Tensor, torch.Tensor], None] | None = None
         self.mesh_info: MeshInfo = first.mesh_info
         self.world = first.mesh_info.shard_size
         self.orig_dtype = first.orig_dtype
         self.param_dtype = first.param_dtype
         self.reduce_dtype = first.reduce_dtype
+        self.needs_copy_in = self.param_dtype != self.orig_dtype
         self.segments, self.total = pack_segments([p.layout.padded_numel for p in params])
         self.sharded_flat: torch.Tensor | None = None
         self.unsharded_flat: torch.Tensor | None = None
@@ -116,19 +133,30 @@ class Bucket:
     def needs_cast(self) -> bool:
         return self.param_dtype != self.orig_dtype
 
+    def refresh_copy_in(self) -> None:
+        """Whether the all-gather input (or unsharded parameter) is a copy of the sharded
+        storage: cast, moved from another device (offload), or produced by a plugin."""
+        self.needs_copy_in = (
+            self.param_dtype != self.orig_dtype
+            or self.fill_input is not None
+            or (self.sharded_flat is not None and self.sharded_flat.device != self.compute_device)
+        )
+
     @property
     def device(self) -> torch.device:
-        assert self.sharded_flat is not None
-        return self.sharded_flat.device
+        return self.compute_device
 
     @property
     def padding_numel(self) -> int:
         return sum(p.layout.padding_numel for p in self.params)
 
     # -- sharded storage --------------------------------------------------------------------
-    def build_sharded(self, locals_: list[torch.Tensor], device: torch.device) -> None:
+    def build_sharded(
+        self, locals_: list[torch.Tensor], device: torch.device, pin_memory: bool = False
+    ) -> None:
         """(Re)build the flat sharded buffer from each member's actual shard."""
-        flat = torch.empty(self.total, dtype=self.orig_dtype, device=device)
+        pin = pin_memory and device.type == "cpu"
+        flat = torch.empty(self.total, dtype=self.orig_dtype, device=device, pin_memory=pin)
         for p, seg, local in zip(self.params, self.segments, locals_):
             slot = flat[seg.offset : seg.offset + seg.numel].view(p.layout.padded_shape)
             actual = slot.narrow(p.shard_dim, 0, p.layout.actual_len)
@@ -142,6 +170,7 @@ class Bucket:
                     ).zero_()
             p.install_sharded(_standalone(actual))
         self.sharded_flat = flat
+        self.refresh_copy_in()
         self.unsharded_flat = None
         self.state = ShardedState.SHARDED
         self.reduce_key = None
@@ -150,7 +179,7 @@ class Bucket:
     def storage_owner(self) -> StorageOwner:
         """Who will own the members' unsharded memory (the same for every member)."""
         if not self.needs_all_gather:
-            return StorageOwner.CAST_BUFFER if self.needs_cast else StorageOwner.SHARDED_STORAGE
+            return StorageOwner.CAST_BUFFER if self.needs_copy_in else StorageOwner.SHARDED_STORAGE
         if len(self.params) == 1 and self.params[0].shard_dim == 0:
             return StorageOwner.ALL_GATHER_OUTPUT
         return StorageOwner.FUSED_BUFFER
@@ -166,7 +195,9 @@ class Bucket:
             base = torch.empty(self.world * self.total, dtype=self.param_dtype, device=self.device)
             scale = self.world
         for p, seg in zip(self.params, self.segments):
-            view = _alias(base, scale * seg.offset, p.global_shape, p.global_stride)
+            view = _alias(base, scale * seg.offset, p.unsharded_shape, p.unsharded_stride)
+            if p.wrap_unsharded is not None:
+                view = p.wrap_unsharded(view)
             p.unsharded_param = nn.Parameter(view, requires_grad=p.requires_grad)
             p.storage_owner = owner
         self.unsharded_flat = base
@@ -186,9 +217,9 @@ class Bucket:
         flat = self.unsharded_flat
         assert flat is not None and self.sharded_flat is not None
         if not self.needs_all_gather:
-            if self.needs_cast:
+            if self.needs_copy_in:
                 _alloc(flat)
-                flat.copy_(self.sharded_flat)
+                (self.fill_input or _copy_in)(self.sharded_flat, flat)
             self.pending = READY
             return
         kept = self._post_forward_shard
@@ -196,7 +227,9 @@ class Bucket:
             # gather over the smaller group straight into the (param-major) buffer
             self._post_forward_shard = None
             _alloc(flat)
-            self.pending = comm.all_gather(flat, kept, self.post_forward.shard_group)
+            self.pending = comm.all_gather(
+                flat, kept, self.post_forward.shard_group, unit=self.unit_fqn
+            )
             self.pending.keepalive = kept
             return
         custom = self.custom_all_gather
@@ -207,11 +240,15 @@ class Bucket:
             out = self._staging = comm.buffer(
                 self.world * self.total, self.param_dtype, "gather", custom
             )
-        inp = self.sharded_flat
-        if self.needs_cast:  # cast straight into this rank's slot: an in-place all-gather
+        inp, prepare = self.sharded_flat, None
+        if self.needs_copy_in:  # cast/copy straight into this rank's slot: in-place all-gather
             rank = self.mesh_info.shard_rank
-            inp = out[rank * self.total : (rank + 1) * self.total].copy_(inp)
-        self.pending = comm.all_gather(out, inp, self.mesh_info.shard_group, custom)
+            slot = out[rank * self.total : (rank + 1) * self.total]
+            prepare = partial(self.fill_input or _copy_in, inp, slot)
+            inp = slot
+        self.pending = comm.all_gather(
+            out, inp, self.mesh_info.shard_group, custom, unit=self.unit_fqn, prepare=prepare
+        )
 
     def finish_unshard(self, comm: Comm) -> None:
         """Wait for the all-gather, copy out, and register the unsharded parameters."""
@@ -296,8 +333,14 @@ class ParamGroup:
     here and are applied to every bucket, also when the buckets are rebuilt.
     """
 
-    def __init__(self, params: list[HSDPParam]) -> None:
+    def __init__(
+        self, params: list[HSDPParam], device: torch.device, storage: ShardedStorage | None = None
+    ) -> None:
         self.params = params
+        self.device = device
+        self.storage = storage  # from hyperfsdp_sharded_storage; None: on `device`
+        self.unit: UnitView | None = None
+        self.fill_input: Callable[[torch.Tensor, torch.Tensor], None] | None = None
         self.divide_factor: float | None = None
         self.post_forward_size: int | None = None
         self.kept_versions: tuple[int, ...] | None = None
@@ -312,13 +355,17 @@ class ParamGroup:
         by_key: dict[tuple, list[HSDPParam]] = {}
         for p in self.params:
             by_key.setdefault(Bucket.key(p), []).append(p)
-        self.buckets = [Bucket(members) for members in by_key.values()]
+        self.buckets = [Bucket(members, self.device) for members in by_key.values()]
         self.apply_settings()
 
     def apply_settings(self) -> None:
         from ._mesh_info import post_forward_mesh_info, separate_group
 
         for b in self.buckets:
+            b.unit = self.unit
+            b.unit_fqn = self.unit.fqn if self.unit is not None else None
+            b.fill_input = self.fill_input
+            b.refresh_copy_in()
             if self.divide_factor is not None:
                 b.divide_factor = self.divide_factor
             b.all_reduce_hook = self.all_reduce_hook
@@ -333,8 +380,13 @@ class ParamGroup:
                 b.post_forward = post_forward_mesh_info(b.mesh_info, self.post_forward_size)
 
     def build_sharded(self, locals_by_param: dict[int, torch.Tensor], device: torch.device) -> None:
+        """(Re)build every bucket's storage on ``device`` (meta), else where the
+        storage policy says (pinned host memory under offload), else on ``device``."""
+        pin = False
+        if device.type != "meta" and self.storage is not None:
+            device, pin = self.storage.device, self.storage.pin_memory
         for b in self.buckets:
-            b.build_sharded([locals_by_param[id(p)] for p in b.params], device)
+            b.build_sharded([locals_by_param[id(p)] for p in b.params], device, pin)
 
     def init_unsharded(self) -> None:
         for b in self.buckets:

@@ -107,3 +107,12 @@ def pack_segments(numels: list[int]) -> tuple[list[Segment], int]:
         segments.append(Segment(offset, n))
         offset += n
     return segments, offset
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Strides of a contiguous tensor of ``shape``."""
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(strides))

@@ -7,10 +7,51 @@ no tensors, dtypes or work handles; parameters with the same topology share one.
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
+
 import attrs
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+
+V = TypeVar("V")
+
+
+class ProcessGroupCache(Generic[V]):
+    """A cache of objects made from process groups (groups, meshes, MeshInfos).
+
+    Process groups die with ``dist.destroy_process_group()``; a later
+    ``init_process_group`` makes new ones. This cache is emptied whenever the default
+    process group is not the one it was filled under, so it never hands back a group
+    of an earlier initialization.
+    """
+
+    def __init__(self) -> None:
+        self._world: weakref.ref | None = None
+        self._data: dict[Hashable, V] = {}
+
+    def _current(self) -> dict[Hashable, V]:
+        world = dist.group.WORLD if dist.is_initialized() else None
+        if world is None or self._world is None or self._world() is not world:
+            self._data.clear()
+            self._world = weakref.ref(world) if world is not None else None
+        return self._data
+
+    def get(self, key: Hashable) -> V | None:
+        return self._current().get(key)
+
+    def setdefault(self, key: Hashable, factory: Callable[[], V]) -> V:
+        """The value under ``key``, made by ``factory()`` (maybe collective) if missing."""
+        data = self._current()
+        value = data.get(key)
+        if value is None:
+            value = data[key] = factory()
+        return value
+
+    def __len__(self) -> int:
+        return len(self._current())
 
 
 def _group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
@@ -119,7 +160,7 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
-_post_forward_infos: dict[tuple, MeshInfo] = {}
+_post_forward_infos: ProcessGroupCache[MeshInfo] = ProcessGroupCache()
 
 
 def post_forward_mesh_info(info: MeshInfo, size: int) -> MeshInfo:
@@ -129,17 +170,17 @@ def post_forward_mesh_info(info: MeshInfo, size: int) -> MeshInfo:
     (for example the ranks of one node). Collective: every rank must call it in the
     same order (``fully_shard`` does). Created groups are cached per topology.
     """
-    key = (info.key, size)
-    cached = _post_forward_infos.get(key)
-    if cached is not None:
-        return cached
+    return _post_forward_infos.setdefault((info.key, size), lambda: _post_forward(info, size))
+
+
+def _post_forward(info: MeshInfo, size: int) -> MeshInfo:
     assert info.shard_mesh_dim is not None
     ranks = info.mesh.mesh.movedim(info.shard_mesh_dim, -1).reshape(-1, info.shard_size)
     blocks = [row[i : i + size].tolist() for row in ranks for i in range(0, info.shard_size, size)]
     group, _ = dist.new_subgroups_by_enumeration(blocks)
     me = dist.get_rank()
     rank = next(block.index(me) for block in blocks if me in block)
-    result = MeshInfo(
+    return MeshInfo(
         mesh=info.mesh,
         shard_group=group,
         shard_size=size,
@@ -147,11 +188,9 @@ def post_forward_mesh_info(info: MeshInfo, size: int) -> MeshInfo:
         shard_mesh_dim=info.shard_mesh_dim,
         kind=info.kind,
     )
-    _post_forward_infos[key] = result
-    return result
 
 
-_separate_groups: dict[tuple, dist.ProcessGroup] = {}
+_separate_groups: ProcessGroupCache[dist.ProcessGroup] = ProcessGroupCache()
 
 
 def separate_group(info: MeshInfo) -> dist.ProcessGroup:
@@ -162,8 +201,6 @@ def separate_group(info: MeshInfo) -> dist.ProcessGroup:
     use; cached per rank set.
     """
     ranks = dist.get_process_group_ranks(info.shard_group)
-    key = tuple(ranks)
-    group = _separate_groups.get(key)
-    if group is None:
-        group = _separate_groups[key] = dist.new_group(ranks, use_local_synchronization=True)
-    return group
+    return _separate_groups.setdefault(
+        tuple(ranks), lambda: dist.new_group(ranks, use_local_synchronization=True)
+    )

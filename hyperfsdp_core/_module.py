@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import importlib
-import importlib.abc
-import importlib.machinery
-import sys
-import types
+import copyreg
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 if TYPE_CHECKING:
     from ._state import FSDPState
-
-UNIONED_PACKAGE = "hyperfsdp_core.unioned"
 
 
 class UnshardHandle:
@@ -75,6 +68,7 @@ class FSDPModule:
             from ._collectives import Comm
 
             state.comm = Comm(state.device)
+            state.comm.provisional = True  # the root's lazy init replaces it
         group.init_unsharded()
         group.unshard(state.comm)
         handle = UnshardHandle(state)
@@ -226,9 +220,7 @@ class FSDPModule:
         result = super()._apply(*args, **kwargs)  # type: ignore[misc]
         if state.group is not None:
             if len(state.modules) == 1:
-                from ._api import reset_sharded_params
-
-                reset_sharded_params(state)
+                state.reset_sharded_params()
             else:  # rebuild once every module of the list unit is converted
                 state.needs_reset = True
         return result
@@ -247,13 +239,15 @@ def _check_fsdp_modules(modules: Sequence[Any]) -> None:
 # ---------------------------------------------------------------------------------------------
 
 _CLASS_CACHE: dict[tuple[type, tuple[type, ...]], type] = {}
+_METACLASSES: dict[type, type] = {}
 
 
 def fsdp_class(orig: type, mixins: tuple[type, ...] = ()) -> type:
     """The unioned class for ``orig`` (the same object every time for the same inputs).
 
-    The class is picklable by reference: it lives (virtually) in the module
-    ``hyperfsdp_core.unioned.<orig module>``, which any process can import.
+    Unioned classes pickle by value of their recipe: unpickling (in any process) calls
+    ``fsdp_class(orig, mixins)`` again with the original class and the plugin mixins,
+    both pickled by reference, so ``torch.save(model)`` and multiprocessing work.
     """
     if issubclass(orig, FSDPModule):
         return orig
@@ -261,44 +255,36 @@ def fsdp_class(orig: type, mixins: tuple[type, ...] = ()) -> type:
     cls = _CLASS_CACHE.get(key)
     if cls is None:
         name = "FSDP" + orig.__name__ + "".join("_" + m.__name__ for m in mixins)
-        cls = type(name, (FSDPModule, *mixins, orig), {"_hyperfsdp_orig_cls": orig})
-        cls.__module__ = f"{UNIONED_PACKAGE}.{orig.__module__}"
+        bases = (FSDPModule, *mixins, orig)
+        meta = _unioned_metaclass(bases)
+        cls = meta(name, bases, {"_hyperfsdp_orig_cls": orig, "_hyperfsdp_mixins": tuple(mixins)})
+        cls.__module__ = orig.__module__
         cls.__qualname__ = "FSDP" + orig.__qualname__ if not mixins else name
         _CLASS_CACHE[key] = cls
     return cls
 
 
-class _UnionedModule(types.ModuleType):
-    """``hyperfsdp_core.unioned.<mod>``: resolves ``FSDP<Qualname>`` to the cached class."""
-
-    def __getattr__(self, attr: str) -> Any:
-        target = self.__name__[len(UNIONED_PACKAGE) + 1 :]
-        for (orig, _mixins), cls in _CLASS_CACHE.items():
-            if orig.__module__ == target and cls.__qualname__ == attr:
-                return cls
-        if attr.startswith("FSDP"):
-            obj: Any = importlib.import_module(target)
-            for part in attr[4:].split("."):
-                obj = getattr(obj, part, None)
-            if isinstance(obj, type) and issubclass(obj, nn.Module):
-                return fsdp_class(obj)
-        raise AttributeError(f"module {self.__name__!r} has no attribute {attr!r}")
-
-
-class _UnionedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, fullname, path, target=None):
-        if fullname == UNIONED_PACKAGE or fullname.startswith(UNIONED_PACKAGE + "."):
-            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        module = _UnionedModule(spec.name)
-        module.__path__ = []
-        return module
-
-    def exec_module(self, module) -> None:
-        return None
+def _unioned_metaclass(bases: tuple[type, ...]) -> type:
+    """A subclass of the bases' metaclass that pickles its classes as ``fsdp_class`` calls."""
+    winner = type(bases[0])
+    for base in bases[1:]:
+        meta = type(base)
+        if issubclass(meta, winner):
+            winner = meta
+        elif not issubclass(winner, meta):
+            raise TypeError(
+                f"fully_shard: cannot union {bases[-1].__name__} with plugin mixins "
+                f"{[b.__name__ for b in bases[1:-1]]}: their metaclasses conflict"
+            )
+    unioned = _METACLASSES.get(winner)
+    if unioned is None:
+        name = winner.__name__
+        unioned = _METACLASSES[winner] = type(
+            f"FSDPUnioned{name[:1].upper()}{name[1:]}", (winner,), {}
+        )
+        copyreg.pickle(unioned, _reduce_unioned)
+    return unioned
 
 
-if not any(isinstance(f, _UnionedFinder) for f in sys.meta_path):
-    sys.meta_path.append(_UnionedFinder())
+def _reduce_unioned(cls: type):
+    return fsdp_class, (cls._hyperfsdp_orig_cls, cls._hyperfsdp_mixins)  # type: ignore[attr-defined]

@@ -1,8 +1,10 @@
 """HSDPParam: one managed parameter's three layers and who owns its unsharded memory.
 
-* logical global tensor: the model's parameter, never padded (``global_shape``);
-* actual shard: this rank's ``torch.chunk`` rows, the DTensor's local tensor
-  (``sharded_param``), what the optimizer and checkpoints see;
+* logical global tensor: the model's parameter, never padded (``global_shape``); FSDP
+  shards a plain tensor of ``unsharded_shape`` (the parameter itself, or under tensor
+  parallelism its TP-local tensor, as the ``hyperfsdp_param_layout`` hook decides);
+* actual shard: this rank's ``torch.chunk`` rows of that tensor, the DTensor's local
+  tensor (``sharded_param``), what the optimizer and checkpoints see;
 * padded communication slot: ``layout.padded_shape`` elements inside its bucket's
   flat sharded buffer; the actual shard is a prefix view of it and the padding
   (only for uneven shapes) stays zero.
@@ -13,15 +15,18 @@ The flat buffers themselves belong to the :class:`~hyperfsdp_core._group.Bucket`
 from __future__ import annotations
 
 import enum
-from typing import Any
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ._layout import ShardLayout
+from ._layout import ShardLayout, contiguous_strides
 from ._mesh_info import MeshInfo
+from ._records import ParamLayout
+from ._stash import Stash
 from ._torch_private import dtensor_from_local_fast
+from ._views import ParamView
 
 
 class StorageOwner(str, enum.Enum):
@@ -36,21 +41,14 @@ class StorageOwner(str, enum.Enum):
         return self.value
 
 
-def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for size in reversed(shape):
-        strides.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(strides))
-
-
 class HSDPParam:
-    """State of one managed parameter. Plugins keep their own data in ``stash``."""
+    """State of one managed parameter. Plugins see it as a :class:`ParamView` (``view``)."""
 
     def __init__(
         self,
         fqn: str,
         param: nn.Parameter,
+        layout: ParamLayout,
         module_infos: list[tuple[nn.Module, str]],
         mesh_info: MeshInfo,
         shard_dim: int,
@@ -60,20 +58,30 @@ class HSDPParam:
         self.module_infos = module_infos
         self.mesh_info = mesh_info
         self.shard_dim = shard_dim
-        self.global_shape = tuple(param.shape)
-        self.global_stride = contiguous_strides(self.global_shape)
+        # the plain tensor FSDP shards and all-gathers back (see ParamLayout)
+        self.unsharded_shape = tuple(layout.tensor.shape)
+        self.unsharded_stride = contiguous_strides(self.unsharded_shape)
+        # the sharded DTensor's spec
+        self.global_shape = layout.global_shape
+        self.global_stride = layout.global_stride
+        self.dtensor_mesh = layout.mesh
+        self.placements = layout.placements
+        self.wrap_unsharded = layout.wrap_unsharded
+        self.unwrap_grad = layout.unwrap_grad
         self.orig_dtype = param.dtype
         self.param_dtype: torch.dtype = param.dtype
         self.reduce_dtype: torch.dtype = param.dtype
         self.layout = ShardLayout(
-            self.global_shape, shard_dim, world=mesh_info.shard_size, rank=mesh_info.shard_rank
+            self.unsharded_shape, shard_dim, world=mesh_info.shard_size, rank=mesh_info.shard_rank
         )
-        self.placements = placements_for(mesh_info, shard_dim)
         # hot-path copies of the (immutable) layout facts
         self.actual_shape = self.layout.actual_shape
         self.actual_numel = self.layout.actual_numel
-        self.stash: dict[Any, Any] = {}
+        self.stash = Stash()
+        self.view = ParamView(self)
         self.storage_owner = StorageOwner.SHARDED_STORAGE
+        # where reduced gradient shards land (hyperfsdp_grad_landing), set at lazy init
+        self.land_grad: Callable[[ParamView, torch.Tensor], torch.Tensor] | None = None
         self.sharded_param: nn.Parameter = param  # replaced by the DTensor in install_sharded
         self.unsharded_param: nn.Parameter | None = None
         # Gradient kept across backwards with gradient sync disabled (reduce dtype).
@@ -93,7 +101,7 @@ class HSDPParam:
         return self.sharded_param.device
 
     def local_shard_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's actual shard of a full (logical) tensor, as a contiguous tensor."""
+        """This rank's actual shard of a tensor of the unsharded shape."""
         lay = self.layout
         return full.narrow(self.shard_dim, lay.offset, lay.actual_len)
 
@@ -106,7 +114,7 @@ class HSDPParam:
         """
         dt = DTensor.from_local(
             local,
-            self.mesh_info.mesh,
+            self.dtensor_mesh,
             self.placements,
             run_check=False,
             shape=torch.Size(self.global_shape),
@@ -151,6 +159,8 @@ class HSDPParam:
         grad = unsharded.grad if unsharded is not None else None
         if grad is not None:
             unsharded.grad = None
+            if self.unwrap_grad is not None:
+                grad = self.unwrap_grad(grad)
         acc = self.accumulated_grad
         if acc is not None:
             self.accumulated_grad = None
@@ -168,6 +178,8 @@ class HSDPParam:
             return  # autograd keeps accumulating into unsharded.grad
         grad = unsharded.grad
         unsharded.grad = None
+        if self.unwrap_grad is not None:
+            grad = self.unwrap_grad(grad)
         if self.accumulated_grad is None:
             self.accumulated_grad = grad.to(self.reduce_dtype)
         else:
@@ -175,6 +187,8 @@ class HSDPParam:
 
     def apply_sharded_grad(self, local: torch.Tensor) -> None:
         """Add (or set) this rank's reduced gradient shard on the sharded parameter."""
+        if self.land_grad is not None:
+            local = self.land_grad(self.view, local)
         if local.dtype != self.orig_dtype:
             local = local.to(self.orig_dtype)
         param = self.sharded_param
@@ -193,7 +207,7 @@ class HSDPParam:
         return f"HSDPParam({self.fqn!r}, {self.global_shape}, {self.mesh_info.describe()})"
 
 
-def placements_for(mesh_info: MeshInfo, shard_dim: int) -> tuple:
+def placements_for(mesh_info: MeshInfo, shard_dim: int) -> tuple:  # the core's default layout
     """DTensor placements of a parameter with this topology."""
     ndim = mesh_info.mesh.ndim
     if mesh_info.kind == "DDP":

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import torch
 
 from ._param import HSDPParam
+from ._plugins import get_plugin_manager
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -29,9 +32,15 @@ class PlanRow:
     needs_all_gather: bool
     storage_owner: str
     tp_replicate_axis: str | None
+    #: plugins' columns (``hyperfsdp_plan_columns``), in the order they were given
+    extra: tuple[tuple[str, Any], ...] = ()
+
+    def column(self, name: str, default: Any = None) -> Any:
+        """A plugin column's value for this row."""
+        return dict(self.extra).get(name, default)
 
     @classmethod
-    def of(cls, p: HSDPParam, owner: str, fqn: str) -> PlanRow:
+    def of(cls, p: HSDPParam, owner: str, fqn: str, extra: dict[str, Any]) -> PlanRow:
         return cls(
             fqn=fqn,
             global_shape=p.global_shape,
@@ -45,7 +54,8 @@ class PlanRow:
             replicate_size=p.mesh_info.replicate_size,
             needs_all_gather=p.needs_all_gather,
             storage_owner=owner,
-            tp_replicate_axis=p.stash.get("tp_replicate_axis"),
+            tp_replicate_axis=extra.get("tp_replicate_axis"),
+            extra=tuple(extra.items()),
         )
 
 
@@ -71,8 +81,7 @@ class ShardingPlan(tuple[PlanRow, ...]):
                     _dtype_name(d) for d in (row.orig_dtype, row.param_dtype, row.reduce_dtype)
                 )
             if key == "mesh":
-                tp = f" tp:{row.tp_replicate_axis}" if row.tp_replicate_axis else ""
-                return f"{row.mesh_kind} s={row.shard_size} r={row.replicate_size}{tp}"
+                return f"{row.mesh_kind} s={row.shard_size} r={row.replicate_size}"
             value = getattr(row, key)
             if isinstance(value, tuple):
                 return "x".join(map(str, value)) or "()"
@@ -80,9 +89,18 @@ class ShardingPlan(tuple[PlanRow, ...]):
                 return "yes" if value else "no"
             return str(value)
 
-        table = [[title for _, title in _COLUMNS]]
-        table += [[cell(row, key) for key, _ in _COLUMNS] for row in self]
-        widths = [max(len(r[i]) for r in table) for i in range(len(_COLUMNS))]
+        extra = list(dict.fromkeys(k for row in self for k, _ in row.extra))
+
+        def extra_cell(row: PlanRow, key: str) -> str:
+            value = row.column(key)
+            return "-" if value is None else str(value)
+
+        table = [[title for _, title in _COLUMNS] + extra]
+        table += [
+            [cell(row, key) for key, _ in _COLUMNS] + [extra_cell(row, k) for k in extra]
+            for row in self
+        ]
+        widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
         lines.insert(1, "  ".join("-" * w for w in widths))
         return "\n".join(lines)
@@ -95,6 +113,7 @@ def sharding_plan(module) -> ShardingPlan:
     order = {n: i for i, (n, _) in enumerate(named)}
     rows: list[PlanRow] = []
     seen: set[int] = set()
+    columns = get_plugin_manager().hook.hyperfsdp_plan_columns
     for sub in module.modules():
         state = getattr(sub, "_hyperfsdp_state", None)
         if state is None or id(state) in seen:
@@ -106,6 +125,9 @@ def sharding_plan(module) -> ShardingPlan:
             owner = str(bucket.storage_owner)
             for p in bucket.params:
                 fqn = names.get(id(p.sharded_param)) or names.get(id(p.unsharded_param), p.fqn)
-                rows.append(PlanRow.of(p, owner, fqn))
+                extra: dict[str, Any] = {}
+                for result in reversed(columns(param=p.view)):  # first registered first
+                    extra.update(result or {})
+                rows.append(PlanRow.of(p, owner, fqn, extra))
     rows.sort(key=lambda row: order.get(row.fqn, len(order)))
     return ShardingPlan(rows)

@@ -1,4 +1,4 @@
-"""The process-wide plugin manager, entry-point loading and finalization-phase ordering."""
+"""The process-wide plugin manager, entry-point loading, API versions and phase ordering."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import heapq
 import importlib
 import importlib.metadata
 import os
+import re
 import threading
 from collections.abc import Callable, Iterable
 from graphlib import CycleError, TopologicalSorter
@@ -20,11 +21,16 @@ PROJECT_NAME = "hyperfsdp"
 ENTRY_POINT_GROUP = "hyperfsdp"
 #: Set to a non-empty value to skip loading plugins from entry points.
 DISABLE_AUTOLOAD_ENV = "HYPERFSDP_DISABLE_PLUGIN_AUTOLOAD"
-#: Plugins that ship with the core, registered before any entry point.
+#: Plugins that ship with the core, registered before any entry point: (name, module).
 BUILTIN_PLUGINS = (
-    "hyperfsdp_core._builtin.core",
-    "hyperfsdp_core._builtin.mixed_precision",
+    ("hyperfsdp.core", "hyperfsdp_core._builtin.core"),
+    ("hyperfsdp.mixed_precision", "hyperfsdp_core._builtin.mixed_precision"),
 )
+#: The plugin API version this core implements. Minor versions add hooks and fields;
+#: a major version changes or removes something plugins may rely on.
+API_VERSION = (1, 0)
+#: Module attribute in which a plugin declares the API versions it supports.
+API_ATTRIBUTE = "HYPERFSDP_API"
 #: The core's own phase; every other phase runs after it.
 FIRST_PHASE = "core.reduce_scatter_drain"
 
@@ -41,7 +47,7 @@ def _names(value: Iterable[str]) -> tuple[str, ...]:
 class Phase:
     """One finalization step, declared as data by a plugin.
 
-    ``run(ctx)`` is called with the root's :class:`~hyperfsdp_core._context.RootContext`
+    ``run(root)`` is called with the root's :class:`~hyperfsdp_core.plugin.RootView`
     at the end of every backward. ``after``/``before`` name phases that must exist;
     ``after_if_present``/``before_if_present`` order against phases of plugins that
     may not be installed.
@@ -59,8 +65,80 @@ class PluginLoadError(ImportError):
     """A plugin distribution's entry point could not be imported."""
 
 
+class PluginVersionError(PluginLoadError):
+    """A plugin does not support this core's plugin API version."""
+
+
 class PhaseOrderError(ValueError):
     """The declared finalization phases cannot be ordered."""
+
+
+_CLAUSE = re.compile(r"^\s*(>=|<=|==|!=|>|<)\s*(\d+(?:\.\d+)*)\s*$")
+_COMPARE = {
+    ">=": lambda a, b: a >= b,
+    "<=": lambda a, b: a <= b,
+    "==": lambda a, b: a == b,
+    "!=": lambda a, b: a != b,
+    ">": lambda a, b: a > b,
+    "<": lambda a, b: a < b,
+}
+
+
+def _pad(version: tuple[int, ...], width: int) -> tuple[int, ...]:
+    return version + (0,) * (width - len(version))
+
+
+def api_version_string() -> str:
+    return ".".join(map(str, API_VERSION))
+
+
+def supports_api(spec: str, version: tuple[int, ...] = API_VERSION) -> bool:
+    """Whether ``version`` satisfies ``spec``: comma-separated clauses such as
+    ``">=1.0,<2"`` (operators ``>= <= == != > <``; missing parts count as 0).
+
+    :raises ValueError: for a malformed spec.
+    """
+    clauses = [c for c in spec.split(",") if c.strip()]
+    if not clauses:
+        raise ValueError(f"empty plugin API range {spec!r}")
+    for clause in clauses:
+        match = _CLAUSE.match(clause)
+        if match is None:
+            raise ValueError(
+                f"malformed plugin API range {spec!r}: expected clauses like '>=1.0' or '<2' "
+                "separated by commas"
+            )
+        op, text = match.groups()
+        wanted = tuple(int(x) for x in text.split("."))
+        width = max(len(version), len(wanted))
+        if not _COMPARE[op](_pad(version, width), _pad(wanted, width)):
+            return False
+    return True
+
+
+def check_api(plugin: object, name: str | None, *, required: bool, origin: str = "") -> None:
+    """Raise :class:`PluginVersionError` unless ``plugin`` supports this core's plugin API."""
+    spec = getattr(plugin, API_ATTRIBUTE, None)
+    where = f" from {origin}" if origin else ""
+    core = f"hyperfsdp's plugin API is {api_version_string()}"
+    if spec is None:
+        if required:
+            raise PluginVersionError(
+                f"hyperfsdp plugin {name!r}{where} does not declare the plugin API versions it "
+                f"supports; {core}. Its module must set {API_ATTRIBUTE} = '>=1.0,<2' (the range "
+                "it was written for), or uninstall it"
+            )
+        return
+    try:
+        ok = supports_api(str(spec))
+    except ValueError as exc:
+        raise PluginVersionError(f"hyperfsdp plugin {name!r}{where}: {exc}") from None
+    if not ok:
+        raise PluginVersionError(
+            f"hyperfsdp plugin {name!r}{where} supports plugin API {spec}, but {core}. "
+            "Install a version of the plugin made for this hyperfsdp, or a hyperfsdp whose "
+            "plugin API it supports"
+        )
 
 
 @attrs.frozen
@@ -90,6 +168,7 @@ class HyperFSDPPluginManager(pluggy.PluginManager):
         self.generation = 0
 
     def register(self, plugin: object, name: str | None = None) -> str | None:
+        check_api(plugin, name, required=False)
         plugin_name = super().register(plugin, name)
         self._changed()
         if self._sealed:
@@ -140,7 +219,7 @@ class HyperFSDPPluginManager(pluggy.PluginManager):
                 continue
             info = self._distinfo.get(name)
             if info is None:
-                builtin = name in BUILTIN_PLUGINS
+                builtin = name in dict(BUILTIN_PLUGINS)
                 info = PluginInfo(
                     name, "hyperfsdp" if builtin else "-", _version("hyperfsdp") if builtin else "-"
                 )
@@ -238,6 +317,9 @@ def _load_entry_points(pm: HyperFSDPPluginManager) -> None:
                 f"Reinstall or uninstall {dist_name!r}, or set {DISABLE_AUTOLOAD_ENV}=1 "
                 "to skip plugin autoloading."
             ) from exc
+        check_api(
+            plugin, ep.name, required=True, origin=f"distribution {dist_name!r} {dist_version}"
+        )
         pm.register(plugin, name=ep.name)
         pm._distinfo[ep.name] = PluginInfo(ep.name, dist_name, dist_version)
 
@@ -245,8 +327,8 @@ def _load_entry_points(pm: HyperFSDPPluginManager) -> None:
 def build_plugin_manager(*, autoload: bool | None = None) -> HyperFSDPPluginManager:
     """A new manager with the builtin plugins and (unless disabled) the entry-point plugins."""
     pm = HyperFSDPPluginManager()
-    for module_name in BUILTIN_PLUGINS:
-        pm.register(importlib.import_module(module_name), name=module_name)
+    for name, module_name in BUILTIN_PLUGINS:
+        pm.register(importlib.import_module(module_name), name=name)
     if autoload is None:
         autoload = not os.environ.get(DISABLE_AUTOLOAD_ENV)
     if autoload:

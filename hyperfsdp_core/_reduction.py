@@ -19,6 +19,8 @@ from ._param import HSDPParam
 
 if TYPE_CHECKING:
     from ._group import Bucket
+    from ._mesh_info import MeshInfo
+    from ._views import ParamView, UnitView
 
 
 class _Ready(Handle):
@@ -71,37 +73,108 @@ class _PackPlan:
 
 
 class Reduction:
-    """A bucket's gradient reduction in flight; ``finish()`` waits and applies it.
+    """One bucket's gradient reduction in one post-backward (see ``plugin.Reduction``).
 
-    Plugins that reduce further (all-reduce over a replicate group) call
-    :meth:`defer` from their reducer and apply the result later themselves.
+    The core holds it from creation; reducers may :meth:`defer` it (one more hold
+    each) and :meth:`release` it later. When the last hold is released the
+    reduction *lands*: the unit's all-reduce hook sees ``output``, then each present
+    member's shard is added to its sharded parameter's ``.grad``. :meth:`consume`
+    takes the output for good instead (it never lands).
     """
 
-    __slots__ = ("bucket", "deferred", "handle", "members", "output", "pack", "present", "segments")
+    __slots__ = (
+        "_bucket",
+        "_consumed",
+        "_handle",
+        "_holds",
+        "_pack",
+        "_plan",
+        "output",
+        "present",
+    )
 
-    def __init__(self, bucket, output, handle, pack, members, segments, present) -> None:
-        self.bucket: Bucket = bucket
+    def __init__(self, bucket, output, handle, pack, plan, present) -> None:
+        self._bucket: Bucket = bucket
         self.output: torch.Tensor = output  # this rank's reduced shards, flat, reduce dtype
-        self.handle: Handle = handle
-        self.pack = pack  # buffer to recycle once the collective is done
-        self.members: list[HSDPParam] = members
-        self.segments: list[Segment] = segments
+        self._handle: Handle = handle
+        self._pack = pack  # buffer to recycle once the collective is done
+        self._plan: ReducePlan = plan
         self.present: list[bool] = present  # which members receive a gradient
-        self.deferred = False
+        self._holds = 1  # the core's own, released after the unit's reducers ran
+        self._consumed = False
 
-    def wait(self, comm: Comm) -> None:
-        self.handle.wait()
-        if self.pack is not None:
-            comm.recycle(self.pack, "reduce")
-            self.pack = None
+    # -- public protocol ----------------------------------------------------------------------
+    @property
+    def params(self) -> tuple[ParamView, ...]:
+        """The members whose gradients ``output`` holds (those that require grad)."""
+        return self._plan.views
+
+    @property
+    def mesh_info(self) -> MeshInfo:
+        return self._bucket.mesh_info
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        return self._bucket.reduce_dtype
+
+    @property
+    def unit(self) -> UnitView:
+        return self._bucket.unit
+
+    @property
+    def key(self) -> tuple:
+        """Identifies this bucket's reductions across steps (same members, same layout)."""
+        return self._plan.key
+
+    @property
+    def consumed(self) -> bool:
+        return self._consumed
+
+    def grad_of(self, param: ParamView) -> torch.Tensor | None:
+        """``param``'s reduced shard inside ``output`` (a view of its ``local_shape``), or
+        ``None`` when ``param`` is not a member or received no gradient."""
+        index = self._plan.index.get(param)
+        if index is None or not self.present[index]:
+            return None
+        p, seg = self._plan.members[index], self._plan.segments[index]
+        return self.output[seg.offset : seg.offset + p.actual_numel].view(p.actual_shape)
 
     def defer(self) -> None:
-        """Take over applying this reduction (the core will not apply it)."""
-        self.deferred = True
+        """Hold the reduction: it does not land until :meth:`release` is called for this hold."""
+        if self._holds <= 0:
+            raise RuntimeError("Reduction.defer(): the reduction has already landed")
+        self._holds += 1
 
-    def apply(self) -> None:
+    def release(self) -> None:
+        """Drop one hold; the last one lands the reduction (unless it was consumed)."""
+        if self._holds <= 0:
+            raise RuntimeError("Reduction.release() called more often than defer()")
+        self._holds -= 1
+        if self._holds == 0 and not self._consumed:
+            self._land()
+
+    def consume(self) -> torch.Tensor:
+        """Take ``output`` for good (e.g. to add it into a later reduction); it never lands."""
+        self._consumed = True
+        return self.output
+
+    # -- engine ---------------------------------------------------------------------------------
+    def _wait(self, comm: Comm) -> None:
+        self._handle.wait()
+        if self._pack is not None:
+            comm.recycle(self._pack, "reduce")
+            self._pack = None
+
+    def _abandon(self) -> None:
+        self._handle.abandon()
+        self._holds = 0
+
+    def _land(self) -> None:
         out = self.output
-        for p, seg, present in zip(self.members, self.segments, self.present):
+        hook = self._bucket.all_reduce_hook
+        if hook is not None:
+            hook(out)
+        for p, seg, present in zip(self._plan.members, self._plan.segments, self.present):
             if present:
                 start = seg.offset
                 p.apply_sharded_grad(out[start : start + p.actual_numel].view(p.actual_shape))
@@ -110,10 +183,13 @@ class Reduction:
 class ReducePlan:
     """A bucket's reduce layout over the members that require grad."""
 
-    __slots__ = ("members", "plans", "segments", "simple", "total")
+    __slots__ = ("index", "key", "members", "plans", "segments", "simple", "total", "views")
 
     def __init__(self, bucket: Bucket) -> None:
         self.members = [p for p in bucket.params if p.requires_grad]
+        self.views = tuple(p.view for p in self.members)
+        self.index = {v: i for i, v in enumerate(self.views)}
+        self.key = (self.views, bucket.reduce_dtype)
         self.segments, self.total = pack_segments([p.layout.padded_numel for p in self.members])
         world = bucket.world
         self.plans = [_PackPlan(p, seg, world) for p, seg in zip(self.members, self.segments)]
@@ -145,7 +221,7 @@ def reduce_plan(bucket: Bucket) -> ReducePlan:
 def reduce_bucket(bucket: Bucket, comm: Comm, *, include_unused: bool) -> Reduction | None:
     """Reduce-scatter the members' unsharded gradients (pre-scaled once)."""
     plan = reduce_plan(bucket)
-    members, segments, total = plan.members, plan.segments, plan.total
+    members, total = plan.members, plan.total
     if not members:
         return None
     grads = [p.take_unsharded_grad() for p in members]
@@ -165,7 +241,7 @@ def reduce_bucket(bucket: Bucket, comm: Comm, *, include_unused: bool) -> Reduct
             plan.pack(output.view(1, total), grads)
         if scale is not None:
             output.mul_(scale)
-        return Reduction(bucket, output, READY, None, members, segments, present)
+        return Reduction(bucket, output, READY, None, plan, present)
     custom = bucket.custom_reduce_scatter
     first = plan.plans[0]
     direct = (
@@ -186,10 +262,12 @@ def reduce_bucket(bucket: Bucket, comm: Comm, *, include_unused: bool) -> Reduct
         pack.mul_(scale)
     output = torch.empty(total, dtype=rdtype, device=bucket.device)
     group = bucket.reduce_group or bucket.mesh_info.shard_group
-    handle = comm.reduce_scatter(output, pack, group, dist.ReduceOp.SUM, custom)
+    handle = comm.reduce_scatter(
+        output, pack, group, dist.ReduceOp.SUM, custom, unit=bucket.unit_fqn
+    )
     if custom is not None:  # the custom comm owns its buffers: never pooled
         recycle = None
-    red = Reduction(bucket, output, handle, recycle, members, segments, present)
+    red = Reduction(bucket, output, handle, recycle, plan, present)
     if recycle is None:
         handle.keepalive = pack
     return red

@@ -14,12 +14,15 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ._collectives import Comm
 from ._context import RootContext
 from ._group import ParamGroup
 from ._plugins import get_plugin_manager
+from ._stash import Stash
+from ._views import UnitView
 
 
 class TrainingState(enum.Enum):
@@ -75,6 +78,32 @@ class RegisterPostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
+def _validated_local(p, registered) -> torch.Tensor:
+    """``registered``'s local tensor, after checking it is a DTensor with ``p``'s spec."""
+    if not isinstance(registered, DTensor):
+        raise ValueError(
+            f"parameter {p.fqn!r} was replaced by a {type(registered).__name__}; a sharded "
+            "module needs DTensor parameters (load a sharded state dict, e.g. from "
+            "model.state_dict() or torch.distributed.checkpoint)"
+        )
+    if (
+        registered.shape != torch.Size(p.global_shape)
+        or tuple(registered.placements) != p.placements
+    ):
+        raise ValueError(
+            f"parameter {p.fqn!r}: expected a DTensor of global shape {p.global_shape} with "
+            f"placements {p.placements}, got {tuple(registered.shape)} with "
+            f"{tuple(registered.placements)}"
+        )
+    local = registered.to_local()
+    if tuple(local.shape) != p.layout.actual_shape:
+        raise ValueError(
+            f"parameter {p.fqn!r}: local shard has shape {tuple(local.shape)}, expected "
+            f"{p.layout.actual_shape} on this rank"
+        )
+    return local
+
+
 def _grad_tensors(tree: Any) -> tuple[list[Any], Any, list[int]]:
     leaves, spec = tree_flatten(tree)
     idx = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -94,6 +123,11 @@ class FSDPState:
         self.modules = modules
         self.group = group
         self.device = device
+        self.view = UnitView(self)
+        self.stash = Stash()  # plugins' per-unit data (UnitView.stash)
+        self.param_views = tuple(p.view for p in group.params) if group is not None else ()
+        if group is not None:
+            group.unit = self.view
         self.ctx: RootContext | None = None
         self.is_root: bool | None = None
         self.fqn = ""
@@ -182,28 +216,35 @@ class FSDPState:
                 )
             seen.add(id(state))
             states.append(state)
-        comm = self.comm or Comm(self.device)
+        comm = (
+            self.comm if self.comm is not None and not self.comm.provisional else Comm(self.device)
+        )
         ctx = RootContext(self, states, comm)
         param_fqns = {id(p): n for n, p in root_module.named_parameters(remove_duplicate=False)}
         pm = get_plugin_manager()
         for state in states:
             state.ctx = ctx
             state.is_root = state is self
-            state.comm = state.comm or comm
+            if state.comm is not None and state.comm is not comm:
+                state.comm.trim()  # a private one from an unshard() before the first forward
+            state.comm = comm
             state.fqn = ", ".join(module_names[id(state)])
+        for state in states:
             if state.group is not None:
                 for p in state.group.params:
                     p.fqn = param_fqns.get(id(p.sharded_param), p.fqn)
                 state.prepare_group()
+            view = state.view
             state.input_transforms = [
-                f for f in pm.hook.hyperfsdp_forward_input_transform(state=state) if f
+                f for f in pm.hook.hyperfsdp_forward_input_transform(unit=view) if f
             ]
             state.output_transforms = [
-                f for f in pm.hook.hyperfsdp_forward_output_transform(state=state) if f
+                f for f in pm.hook.hyperfsdp_forward_output_transform(unit=view) if f
             ]
         if self.auto_reshard_after_forward:
             self.reshard_after_forward = False
-        ctx.finalize_runs = tuple(phase.run for phase in pm.finalization_phases())
+        ctx.finalize_runs = tuple((phase.name, phase.run) for phase in pm.finalization_phases())
+        comm.observers.extend(f for f in pm.hook.hyperfsdp_collective_observer(root=ctx.view) if f)
         return ctx
 
     def prepare_group(self) -> None:
@@ -211,9 +252,14 @@ class FSDPState:
         the unsharded parameters, the plugins' gradient reducers, the root's prefetch hook."""
         group = self.group
         assert group is not None
+        hook = get_plugin_manager().hook
+        group.fill_input = hook.hyperfsdp_all_gather_input(unit=self.view)
+        group.apply_settings()
         group.init_unsharded()
-        hook = get_plugin_manager().hook.hyperfsdp_gradient_reducers
-        self.reducers = [r for r in hook(state=self) if r]
+        self.reducers = [r for r in hook.hyperfsdp_gradient_reducers(unit=self.view) if r]
+        land = hook.hyperfsdp_grad_landing(unit=self.view)
+        for p in group.params:
+            p.land_grad = land
         if self.is_root:
             for p in group.params:
                 p.unsharded_param.register_post_accumulate_grad_hook(
@@ -229,10 +275,44 @@ class FSDPState:
     def ensure_storage(self) -> None:
         """Rebuild the sharded storage if a list unit's modules were converted since."""
         if self.needs_reset:
-            from ._api import reset_sharded_params
-
             self.needs_reset = False
-            reset_sharded_params(self)
+            self.reset_sharded_params()
+
+    def reset_sharded_params(self) -> None:
+        """Rebuild the unit's flat sharded storage around its currently registered parameters.
+
+        After ``load_state_dict(assign=True)`` the registered Parameter objects are new;
+        after ``_apply`` (``to``, ``to_empty``, dtype casts) their local tensors are. Either
+        way the actual shards are copied into fresh padded storage (padding zeroed) and the
+        parameters' local tensors become views of it.
+        """
+        group = self.group
+        assert group is not None
+        group.reshard()
+        locals_by_param = {}
+        for p in group.params:
+            local = _validated_local(p, p.registered())
+            if p.registered() is not p.sharded_param:
+                p.sharded_param = p.registered()
+            if local.dtype != p.orig_dtype:
+                same = p.param_dtype == p.orig_dtype
+                p.orig_dtype = local.dtype
+                if same:
+                    p.param_dtype = p.reduce_dtype = local.dtype
+            locals_by_param[id(p)] = local.detach()
+        first = next(iter(locals_by_param.values()))
+        device = (
+            torch.device("meta")
+            if any(t.is_meta for t in locals_by_param.values())
+            else first.device
+        )
+        group.rebucket()  # dtypes may have changed
+        group.build_sharded(locals_by_param, device)
+        if self.ctx is not None:
+            self.prepare_group()
+        hook = get_plugin_manager().hook.hyperfsdp_param_reset
+        for p in group.params:
+            hook(param=p.view)
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.needs_reset:
@@ -466,8 +546,10 @@ class FSDPState:
             for state in reversed(states):
                 state.post_backward()
             if self.is_last_backward:
-                for run in ctx.finalize_runs:
-                    run(ctx)
+                for name, run in ctx.finalize_runs:
+                    if logging_on:
+                        ctx.record(self.fqn, "phase", name, name)
+                    run(ctx.view)
         finally:  # even if a phase raised, the next iteration starts from IDLE
             self._end_iteration(ctx, logging_on)
 

@@ -18,12 +18,21 @@ IMPL_CHOICES = ("hyperfsdp", "fsdp2", "ddp", "floor")
 VARIANT_CHOICES = ("hyperfsdp-tuned",)
 
 
-def benchmarks_dir() -> Path:
-    """The checkout's ``benchmarks/`` folder (a clear error when this is not a checkout)."""
+def _checkout_benchmarks() -> Path:
     import hyperfsdp_core
 
-    path = Path(hyperfsdp_core.__file__).resolve().parent.parent / "benchmarks"
-    if not (path / "hyperfsdp_bench" / "__init__.py").is_file():
+    return Path(hyperfsdp_core.__file__).resolve().parent.parent / "benchmarks"
+
+
+def available() -> bool:
+    """Whether the suite is here: a source checkout (``pip install -e .``), not a wheel."""
+    return (_checkout_benchmarks() / "hyperfsdp_bench" / "__init__.py").is_file()
+
+
+def benchmarks_dir() -> Path:
+    """The checkout's ``benchmarks/`` folder (a clear error when this is not a checkout)."""
+    path = _checkout_benchmarks()
+    if not available():
         raise SystemExit(
             f"hyperfsdp bench: the benchmark suite is not at {path}. It ships with the source "
             "checkout, not the wheel: clone the repository and install it editable "

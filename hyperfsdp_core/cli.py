@@ -9,7 +9,14 @@ from collections.abc import Sequence
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
-    from ._plugins import DISABLE_AUTOLOAD_ENV, PluginLoadError, get_plugin_manager
+    from ._plugins import (
+        API_ATTRIBUTE,
+        DISABLE_AUTOLOAD_ENV,
+        PluginLoadError,
+        _version,
+        api_version_string,
+        get_plugin_manager,
+    )
 
     try:
         pm = get_plugin_manager()
@@ -19,9 +26,15 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     infos = pm.plugin_infos()
     width = max(len(i.name) for i in infos)
     dwidth = max(len(i.distribution) for i in infos)
-    print("installed plugins (name, distribution, version):")
+    vwidth = max(len(i.version) for i in infos)
+    print(f"hyperfsdp {_version('hyperfsdp')}, plugin API {api_version_string()}")
+    print("installed plugins (name, distribution, version, plugin API supported):")
     for info in infos:
-        print(f"  {info.name.ljust(width)}  {info.distribution.ljust(dwidth)}  {info.version}")
+        spec = str(getattr(pm.get_plugin(info.name), API_ATTRIBUTE, "-")).replace(" ", "")
+        print(
+            f"  {info.name.ljust(width)}  {info.distribution.ljust(dwidth)}  "
+            f"{info.version.ljust(vwidth)}  {spec}"
+        )
     if not pm.autoloaded:
         print(f"  (entry-point plugins not loaded: {DISABLE_AUTOLOAD_ENV} is set)")
     print("finalization order (run by the root after every backward):")
@@ -42,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     from . import bench, demo
 
     demo.add_parser(sub)
-    bench.add_parser(sub)
+    if bench.available():  # the suite ships with the source checkout, not the wheel
+        bench.add_parser(sub)
     _plugin_commands(sub)
     return parser
 

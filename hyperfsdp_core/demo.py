@@ -59,9 +59,12 @@ def _rank_main(steps: int, layers: int, dim: int, tied: bool, atol: float) -> di
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=5e-3)
     bar = None
     if rank == 0:
-        from tqdm import tqdm
-
-        bar = tqdm(total=steps, desc=f"training on {world} ranks", unit="step", file=sys.stderr)
+        try:  # the progress bar comes with the demo extra: pip install hyperfsdp[demo]
+            from tqdm import tqdm
+        except ImportError:
+            tqdm = None
+        if tqdm is not None:
+            bar = tqdm(total=steps, desc=f"training on {world} ranks", unit="step", file=sys.stderr)
     losses, worst_loss_gap = [], 0.0
     start = time.perf_counter()
     for step in range(steps):

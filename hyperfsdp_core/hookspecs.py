@@ -1,14 +1,18 @@
-"""The hyperfsdp plugin contract.
+"""The hyperfsdp plugin contract (plugin API version: ``hyperfsdp_core.plugin.API_VERSION``).
 
-Every hook is declared here, grouped by when it runs. Plugins implement them with
-``@hyperfsdp_core.hookimpl``. Hooks marked *lazy-init* are called once per unit at
-the root's first forward and return plain callables that the per-step hot path
-then calls directly, so a plugin that does not care costs nothing per step.
+Every hook is declared here, grouped by when it runs; ``docs/plugin_hooks.md``
+documents each with an example. Plugins implement them with
+``@hyperfsdp_core.plugin.hookimpl`` and use only the types of
+:mod:`hyperfsdp_core.plugin`. Hooks marked *lazy-init* are called once per unit (or
+root) at the root's first forward and return plain callables (or ``None``) that the
+per-step hot path then calls directly, so a plugin that does not care costs nothing
+per step. Hooks marked *first result* stop at the first implementation that returns
+something other than ``None``; all other hooks call every implementation.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -20,11 +24,11 @@ if TYPE_CHECKING:
     from torch import nn
 
     from ._mesh_info import MeshInfo
-    from ._param import HSDPParam
     from ._plugins import Phase
+    from ._records import CollectiveEvent, ParamLayout, ShardedStorage
     from ._reduction import Reduction
-    from ._state import FSDPState
     from ._unit import UnitSpec
+    from ._views import ParamView, RootView, UnitView
 
 hookspec = pluggy.HookspecMarker("hyperfsdp")
 
@@ -35,36 +39,56 @@ hookspec = pluggy.HookspecMarker("hyperfsdp")
 
 @hookspec
 def hyperfsdp_validate_unit(unit: UnitSpec) -> None:
-    """Check one ``fully_shard`` call's inputs; raise ``ValueError``/``ImportError`` to reject.
+    """Check one ``fully_shard`` call's inputs; raise to reject it.
 
-    Runs before the module is modified. Errors should name the parameter FQNs
-    involved (``unit.named_params``), say what is wrong and what to do instead.
+    Runs first in ``fully_shard``, once per call, before anything is modified. Every
+    implementation runs; the first exception aborts ``fully_shard`` and leaves the
+    module untouched. Errors should name the parameter FQNs involved
+    (``unit.named_params``), say what is wrong and what to do instead.
 
     :param unit: the modules, the parameters this call manages, the mesh and options.
+    :returns: nothing; raise ``ValueError`` (bad input) or ``ImportError`` (a needed
+        plugin is missing) to reject the call.
     """
 
 
 @hookspec(firstresult=True)
 def hyperfsdp_select_mesh_info(unit: UnitSpec, fqn: str, param: nn.Parameter) -> MeshInfo | None:
-    """Choose the data-parallel topology of one managed parameter.
+    """Choose the data-parallel topology of one managed parameter. *First result.*
 
-    Stops at the first non-``None`` result. The core's own implementation runs last
-    and handles 1-D meshes (FSDP); it raises for layouts that need a plugin that is
-    not installed (for example a 2-D mesh without ``hyperfsdp[hsdp]``). Return the
-    same (frozen) MeshInfo object for parameters that share a topology.
+    The core's implementation runs last and handles 1-D meshes (FSDP); it raises
+    an ``ImportError`` naming the extra to install for layouts that need a plugin
+    (a 2-D mesh, DTensor parameters, ``replicate_params``, ``dp_mesh_dims``).
 
     :param unit: the ``fully_shard`` call being processed.
     :param fqn: the parameter's name relative to the unit's module(s).
     :param param: the parameter, before sharding.
+    :returns: a frozen :class:`~hyperfsdp_core.plugin.MeshInfo` (return the same
+        object for parameters that share a topology), or ``None`` to let the next
+        implementation decide.
     """
 
 
-@hookspec
-def hyperfsdp_module_mixins(unit: UnitSpec) -> Sequence[type] | None:
-    """Mixin classes to union into the unit's module classes, besides ``FSDPModule``.
+@hookspec(firstresult=True)
+def hyperfsdp_param_layout(
+    unit: UnitSpec, fqn: str, param: nn.Parameter, mesh_info: MeshInfo, shard_dim: int
+) -> ParamLayout | None:
+    """Decide what tensor is sharded and the DTensor spec of the sharded parameter. *First result.*
 
-    The resulting class is ``FSDP<Name>`` with bases ``(FSDPModule, *mixins, Orig)``
-    and is cached per original class and mixin set.
+    The core's implementation runs last: it shards the parameter itself on
+    ``shard_dim`` and gives the DTensor ``mesh_info.mesh`` with ``Shard(shard_dim)``
+    on the shard mesh dim (``Replicate()`` elsewhere). A tensor-parallel plugin
+    returns the TP-local tensor instead, a DTensor spec over the data-parallel and
+    TP dims (``_StridedShard`` where both shard dim 0), and callables that wrap the
+    all-gathered tensor as a TP DTensor and unwrap its gradient.
+
+    :param unit: the ``fully_shard`` call being processed.
+    :param fqn: the parameter's name relative to the unit's module(s).
+    :param param: the parameter, before sharding.
+    :param mesh_info: the topology chosen by ``hyperfsdp_select_mesh_info``.
+    :param shard_dim: the dim to shard (0, or what ``shard_placement_fn`` asked for).
+    :returns: a :class:`~hyperfsdp_core.plugin.ParamLayout`, or ``None``. The core then
+        checks that a non-zero ``shard_dim`` of ``layout.tensor`` divides evenly.
     """
 
 
@@ -72,52 +96,128 @@ def hyperfsdp_module_mixins(unit: UnitSpec) -> Sequence[type] | None:
 def hyperfsdp_param_dtypes(
     unit: UnitSpec, param: nn.Parameter
 ) -> tuple[torch.dtype | None, torch.dtype | None] | None:
-    """Return ``(param_dtype, reduce_dtype)`` for one parameter, or ``None`` for no opinion.
+    """Choose the compute (all-gather) dtype and the reduce dtype of one parameter. *First result.*
 
-    ``param_dtype`` is the dtype of the all-gather and of the unsharded (compute)
-    parameter; ``reduce_dtype`` that of the gradient reduction. ``None`` entries mean
-    the parameter's original dtype. Stops at the first non-``None`` result.
+    :param unit: the ``fully_shard`` call; ``unit.mp_policy`` is the user's policy.
+    :param param: the parameter, before sharding.
+    :returns: ``(param_dtype, reduce_dtype)``, ``None`` entries meaning the parameter's
+        own dtype (``reduce_dtype``: the compute dtype), or ``None`` for no opinion.
+    """
+
+
+@hookspec(firstresult=True)
+def hyperfsdp_sharded_storage(unit: UnitSpec) -> ShardedStorage | None:
+    """Choose where the unit's sharded storage lives. *First result.*
+
+    The sharded storage holds the actual shards (the optimizer's parameters); its
+    device is also where gradients land and the optimizer state lives. ``None`` from
+    every implementation means the unit's compute device. The core rejects an
+    ``offload_policy`` other than the default ``OffloadPolicy()`` that no
+    implementation answered, naming the extra to install.
+
+    :param unit: the ``fully_shard`` call; ``unit.offload_policy`` is the user's policy.
+    :returns: a :class:`~hyperfsdp_core.plugin.ShardedStorage` (device, pin_memory), or ``None``.
+    """
+
+
+@hookspec
+def hyperfsdp_module_mixins(unit: UnitSpec) -> Sequence[type] | None:
+    """Mixin classes to union into the unit's module classes, besides ``FSDPModule``.
+
+    :param unit: the ``fully_shard`` call being processed.
+    :returns: a sequence of classes, or ``None``. The results of all implementations
+        are concatenated (duplicates dropped); the class becomes ``FSDP<Name>`` with
+        bases ``(FSDPModule, *mixins, Orig)``, cached per original class and mixin set.
     """
 
 
 # --------------------------------------------------------------------------------------
-# forward: resolved at lazy init into per-unit lists of callables
+# forward: resolved at lazy init into per-unit callables
 # --------------------------------------------------------------------------------------
 
 
 @hookspec
 def hyperfsdp_forward_input_transform(
-    state: FSDPState,
+    unit: UnitView,
 ) -> Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]] | None:
-    """*lazy-init* Return a callable applied to each forward's ``(args, kwargs)``, or ``None``.
+    """*lazy-init* A callable applied to each forward's ``(args, kwargs)`` of the unit.
 
-    Called once per unit; the callables run in each module's forward pre-hook, after
-    the parameters are unsharded.
+    :param unit: the unit.
+    :returns: ``fn(args, kwargs) -> (args, kwargs)``, run in each of the unit's modules'
+        forward pre-hooks after the parameters are unsharded, or ``None``.
     """
 
 
 @hookspec
-def hyperfsdp_forward_output_transform(state: FSDPState) -> Callable[[Any], Any] | None:
-    """*lazy-init* Return a callable applied to each module's forward output, or ``None``."""
+def hyperfsdp_forward_output_transform(unit: UnitView) -> Callable[[Any], Any] | None:
+    """*lazy-init* A callable applied to each forward output of the unit.
+
+    :param unit: the unit.
+    :returns: ``fn(output) -> output``, run in the forward post-hook after the core's
+        own post-forward work, or ``None``.
+    """
+
+
+@hookspec(firstresult=True)
+def hyperfsdp_all_gather_input(
+    unit: UnitView,
+) -> Callable[[torch.Tensor, torch.Tensor], None] | None:
+    """*lazy-init* How the all-gather input is produced from the sharded storage. *First result.*
+
+    By default the all-gather reads the flat sharded storage in place when dtype and
+    device match (no copy), and otherwise copies (casts, moves) it into this rank's
+    slot of the output (an in-place all-gather). A callable returned here replaces
+    that copy for every bucket of the unit, and the in-place path is always taken.
+
+    :param unit: the unit.
+    :returns: ``fill(sharded, dest)``: write this rank's all-gather input into ``dest``
+        (flat, ``param_dtype``, on the compute device) from ``sharded`` (the flat
+        sharded storage, original dtype, on the storage device, padding included);
+        it runs on the all-gather stream on accelerators. Or ``None``.
+    """
 
 
 # --------------------------------------------------------------------------------------
-# backward: resolved at lazy init into per-bucket lists of callables
+# backward: resolved at lazy init into per-unit callables
 # --------------------------------------------------------------------------------------
 
 
 @hookspec
-def hyperfsdp_gradient_reducers(state: FSDPState) -> Callable[[list[Reduction]], None] | None:
-    """*lazy-init* Return a reducer for a unit's reduced gradients, or ``None``.
+def hyperfsdp_gradient_reducers(
+    unit: UnitView,
+) -> Callable[[Sequence[Reduction]], None] | None:
+    """*lazy-init* A reducer for the unit's reduced gradients.
 
-    Called once per unit at the root's lazy init (and again when the unit's buckets are
-    rebuilt). The reducer is called once per post-backward of the unit, when the core
-    drains that unit's reduce-scatters (in the next unit's post-backward or in the
-    ``core.reduce_scatter_drain`` phase), with the list of this post-backward's
-    :class:`~hyperfsdp_core._reduction.Reduction` objects (one per bucket that reduced),
-    every one of them complete. A reducer may take a reduction over (for example to
-    all-reduce it over a replicate group and apply it in a later finalization phase)
-    by calling ``reduction.defer()``; the core applies the others right after.
+    Called once per unit at the root's lazy init (and again when the unit's storage
+    is rebuilt). The reducer is called once per post-backward of the unit that
+    reduced, when the core finishes that post-backward's reduce-scatters (in the next
+    unit's post-backward or in the ``core.reduce_scatter_drain`` phase), with one
+    complete :class:`~hyperfsdp_core.plugin.Reduction` per bucket. A reducer may
+    ``defer()`` a reduction (e.g. to all-reduce it asynchronously and ``release()``
+    it from a finalization phase) or ``consume()`` it; the core releases its own
+    hold right after the reducers ran, and a reduction lands on ``.grad`` when its
+    last hold is released.
+
+    :param unit: the unit.
+    :returns: ``reducer(reductions) -> None``, or ``None``.
+    """
+
+
+@hookspec(firstresult=True)
+def hyperfsdp_grad_landing(
+    unit: UnitView,
+) -> Callable[[ParamView, torch.Tensor], torch.Tensor] | None:
+    """*lazy-init* Where reduced gradient shards land. *First result.*
+
+    The core's implementation runs last: when the unit's sharded storage is on
+    another device than its compute device, it copies each shard there
+    (non-blocking from/to pinned memory); otherwise it returns ``None``.
+
+    :param unit: the unit.
+    :returns: ``land(param, shard) -> tensor``: given a parameter and its reduced
+        shard (``param.local_shape``, reduce dtype, compute device), the tensor to
+        set as or add to the parameter's ``.grad`` local tensor (the core casts it to
+        ``param.orig_dtype``), or ``None`` for the shard as it is.
     """
 
 
@@ -128,30 +228,102 @@ def hyperfsdp_gradient_reducers(state: FSDPState) -> Callable[[list[Reduction]],
 
 @hookspec
 def hyperfsdp_finalize_phases() -> Sequence[Phase]:
-    """Declare finalization phases run by the root after every backward.
+    """Declare finalization phases run by the root at the end of every backward.
 
-    A :class:`~hyperfsdp_core._plugins.Phase` names itself and the phases it runs
-    ``after``/``before``. The core resolves one order when plugins are registered
-    (topological, ties broken by name); cycles and unknown names are errors, and the
-    offending registration is rolled back. The core's reduce-scatter drain
-    (``core.reduce_scatter_drain``) always runs first. A root captures the order at its
-    lazy init; each ``run(ctx)`` then runs at the end of every backward that has
-    ``is_last_backward`` set, with the root's
-    :class:`~hyperfsdp_core._context.RootContext`.
+    Called when plugins are registered. The core orders all phases once
+    (topologically, ties broken by name); cycles, unknown names and duplicates are
+    errors and roll the registration back. ``core.reduce_scatter_drain`` always runs
+    first. A root captures the order at its lazy init; each phase's ``run(root)``
+    then runs with the root's :class:`~hyperfsdp_core.plugin.RootView`.
+
+    :returns: a sequence of :class:`~hyperfsdp_core.plugin.Phase`.
+    """
+
+
+@hookspec
+def hyperfsdp_collective_observer(root: RootView) -> Callable[[CollectiveEvent], None] | None:
+    """*lazy-init* An observer called for every collective the root's communication issues.
+
+    Called once per root at its lazy init. The observer is called synchronously, on
+    the training thread, as each collective is issued (all-gathers, reduce-scatters,
+    plugins' collectives through ``root.comm``); keep it cheap.
+
+    :param root: the root.
+    :returns: ``observer(event)`` taking a :class:`~hyperfsdp_core.plugin.CollectiveEvent`,
+        or ``None``.
     """
 
 
 # --------------------------------------------------------------------------------------
-# state dict: reacting to new parameter storage
+# state dict: saving, loading and rebuilt storage
 # --------------------------------------------------------------------------------------
 
 
 @hookspec
-def hyperfsdp_param_reset(param: HSDPParam) -> None:
+def hyperfsdp_state_dict_pre_save(unit: UnitView) -> None:
+    """The unit's module is about to produce its ``state_dict()``.
+
+    Runs in the module's state-dict pre-hook, after the core resharded the unit (so
+    the registered parameters are the sharded DTensors).
+
+    :param unit: the unit.
+    :returns: nothing.
+    """
+
+
+@hookspec(firstresult=True)
+def hyperfsdp_load_convert(param: ParamView, value: torch.Tensor) -> torch.Tensor | None:
+    """Convert a loaded value for a managed parameter before the core uses it. *First result.*
+
+    Runs in ``load_state_dict``'s pre-hook for each managed parameter whose incoming
+    value is not a DTensor with the parameter's mesh and placements. The core's
+    implementation runs last: a plain tensor of the parameter's global shape becomes
+    this rank's shard (no communication); anything else is left for the core's
+    validation, which names the parameter and what it expected.
+
+    :param param: the parameter.
+    :param value: the incoming state-dict value.
+    :returns: the value to load instead (a DTensor with ``param.placements`` on
+        ``param.device_mesh``), or ``None`` to leave it as it is.
+    """
+
+
+@hookspec
+def hyperfsdp_state_dict_post_load(unit: UnitView) -> None:
+    """The unit's module finished ``load_state_dict()``; its storage is rebuilt.
+
+    :param unit: the unit (its parameters' local tensors are views of the new storage,
+        padding zeroed).
+    :returns: nothing.
+    """
+
+
+@hookspec
+def hyperfsdp_param_reset(param: ParamView) -> None:
     """A managed parameter's sharded storage was rebuilt.
 
-    Called after ``load_state_dict(assign=True)``, ``module.to(...)``/``_apply`` and
-    ``to_empty()``, once the padded communication storage is rebuilt.
+    Called after ``load_state_dict``, ``module.to(...)``/``_apply`` and ``to_empty()``,
+    once the padded communication storage is rebuilt around the (new) shards.
+
+    :param param: the parameter.
+    :returns: nothing.
+    """
+
+
+# --------------------------------------------------------------------------------------
+# inspection: sharding_plan()
+# --------------------------------------------------------------------------------------
+
+
+@hookspec
+def hyperfsdp_plan_columns(param: ParamView) -> Mapping[str, Any] | None:
+    """Extra ``sharding_plan()`` columns for one parameter.
+
+    :param param: the parameter.
+    :returns: a mapping ``column name -> value`` (merged over plugins; ``str(value)`` is
+        shown in the table, ``None`` shows as ``-``), or ``None``. The values are in
+        each row's ``extra``; the column ``tp_replicate_axis`` also fills the row field
+        of that name.
     """
 
 

@@ -1,21 +1,86 @@
-"""The public API for hyperfsdp plugin authors (work in progress: see issue 10)."""
+"""The public API for hyperfsdp plugin authors: everything a plugin may use, nothing else.
 
+A plugin imports from here (and from ``hyperfsdp_core``'s top level), never from the
+engine's private modules (``hyperfsdp_core._*``), which change freely between releases.
+The names below are stable within a major :data:`API_VERSION`; a plugin declares the
+versions it supports in its module (``HYPERFSDP_API = ">=1.0,<2"``) and the core
+refuses to load it on a mismatch.
+
+- Hooks: :data:`hookimpl` marks implementations of the hooks in
+  :mod:`hyperfsdp_core.hookspecs` (documented in ``docs/plugin_hooks.md``).
+- Finalization: :class:`Phase` declares a step of the root's end-of-backward pipeline;
+  :data:`FIRST_PHASE` is the core's reduce-scatter drain.
+- Views (read-only): :class:`UnitSpec` (a ``fully_shard`` call, at init),
+  :class:`UnitView`, :class:`ParamView`, :class:`RootView`; plugins keep their own
+  data in each view's ``stash`` under a :class:`StashKey`; :func:`unit_of` gives a
+  sharded module's unit (from a mixin's methods, say).
+- Topology: :class:`MeshInfo` and :func:`fsdp_mesh_info`, :func:`hsdp_mesh_info`,
+  :func:`ddp_mesh_info`; :class:`ProcessGroupCache` for groups a plugin creates.
+- Layout and storage records returned by hooks: :class:`ParamLayout`,
+  :class:`ShardedStorage`.
+- Communication: :class:`PluginComm` (``root.comm``) issues async collectives and
+  returns :class:`Work`; observers receive :class:`CollectiveEvent`.
+- Gradients: reducers receive :class:`Reduction` objects (``params``, ``output``,
+  ``grad_of()``, ``defer()``/``release()``, ``consume()``, ``key``, ``unit``).
+"""
+
+from ._collectives import PluginComm, Work
+from ._mesh_info import (
+    MeshInfo,
+    ProcessGroupCache,
+    ddp_mesh_info,
+    fsdp_mesh_info,
+    hsdp_mesh_info,
+    mesh_device,
+)
 from ._plugins import (
+    API_ATTRIBUTE,
+    API_VERSION,
     FIRST_PHASE,
     Phase,
     PhaseOrderError,
     PluginLoadError,
+    PluginVersionError,
     build_plugin_manager,
     get_plugin_manager,
     hookimpl,
+    supports_api,
 )
+from ._records import CollectiveEvent, ParamLayout, ShardedStorage
+from ._reduction import Reduction
+from ._stash import Stash, StashKey
+from ._unit import UnitSpec
+from ._views import ParamView, RootView, UnitView, unit_of
 
 __all__ = [
+    "API_ATTRIBUTE",
+    "API_VERSION",
     "FIRST_PHASE",
+    "CollectiveEvent",
+    "MeshInfo",
+    "ParamLayout",
+    "ParamView",
     "Phase",
     "PhaseOrderError",
+    "PluginComm",
     "PluginLoadError",
+    "PluginVersionError",
+    "ProcessGroupCache",
+    "Reduction",
+    "RootView",
+    "ShardedStorage",
+    "Stash",
+    "StashKey",
+    "UnitSpec",
+    "UnitView",
+    "Work",
     "build_plugin_manager",
+    "ddp_mesh_info",
+    "fsdp_mesh_info",
     "get_plugin_manager",
     "hookimpl",
+    "hsdp_mesh_info",
+    "mesh_device",
+    "supports_api",
+    "unit_of",
 ]

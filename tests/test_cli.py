@@ -15,17 +15,17 @@ from hyperfsdp_core._plugins import DISABLE_AUTOLOAD_ENV, FIRST_PHASE, Phase, ge
 from hyperfsdp_core.cli import main
 
 VERSION = importlib.metadata.version("hyperfsdp")
-BUILTINS = ("hyperfsdp_core._builtin.core", "hyperfsdp_core._builtin.mixed_precision")
+BUILTINS = ("hyperfsdp.core", "hyperfsdp.mixed_precision")
 
 
-def plugin_rows(out: str) -> dict[str, tuple[str, str]]:
-    """``name -> (distribution, version)`` from the installed-plugins section."""
+def plugin_rows(out: str, with_api: bool = False) -> dict[str, tuple[str, ...]]:
+    """``name -> (distribution, version[, API range])`` from the installed-plugins section."""
     section = out.split("installed plugins", 1)[1].split("finalization order", 1)[0]
     rows = {}
     for line in section.splitlines()[1:]:
         parts = line.split()
-        if len(parts) == 3 and not line.lstrip().startswith("("):
-            rows[parts[0]] = (parts[1], parts[2])
+        if len(parts) == 4 and not line.lstrip().startswith("("):
+            rows[parts[0]] = tuple(parts[1:]) if with_api else (parts[1], parts[2])
     return rows
 
 
@@ -44,13 +44,15 @@ def test_plugins_lists_builtins_with_distribution_and_version(capsys):
     rows = plugin_rows(out)
     for name in BUILTINS:
         assert rows[name] == ("hyperfsdp", VERSION)
+    assert out.startswith(f"hyperfsdp {VERSION}, plugin API 1.0\n")
+    assert plugin_rows(out, with_api=True)["hsdp"] == ("hyperfsdp-hsdp", VERSION, ">=1.0,<2")
     pm = get_plugin_manager()
     assert set(rows) == {info.name for info in pm.plugin_infos()}
     phases = phase_rows(out)
     expected = [p.name for p in pm.finalization_phases()]
     assert [name for _, name, _ in phases] == expected
     assert [pos for pos, _, _ in phases] == list(range(1, len(expected) + 1))
-    assert phases[0] == (1, FIRST_PHASE, "hyperfsdp_core._builtin.core")
+    assert phases[0] == (1, FIRST_PHASE, "hyperfsdp.core")
 
 
 class _ThirdParty:
@@ -73,7 +75,7 @@ def test_plugins_shows_a_registered_plugin_and_its_phases_in_order(capsys):
         pm.unregister(plugin)
     assert plugin_rows(out)["cli_test_plugin"] == ("-", "-")  # not from a distribution
     phases = [(name, owner) for _, name, owner in phase_rows(out)]
-    assert phases[0] == (FIRST_PHASE, "hyperfsdp_core._builtin.core")
+    assert phases[0] == (FIRST_PHASE, "hyperfsdp.core")
     early = phases.index(("aa.cli_test_early", "cli_test_plugin"))
     late = phases.index(("zz.cli_test_late", "cli_test_plugin"))
     assert early < late
@@ -102,7 +104,7 @@ def test_python_m_hyperfsdp_core_plugins():
     for name in BUILTINS:
         assert rows[name] == ("hyperfsdp", VERSION)
     assert "not loaded" not in proc.stdout
-    assert phase_rows(proc.stdout)[0] == (1, FIRST_PHASE, "hyperfsdp_core._builtin.core")
+    assert phase_rows(proc.stdout)[0] == (1, FIRST_PHASE, "hyperfsdp.core")
 
 
 def test_plugins_says_when_autoload_is_disabled(capsys, monkeypatch):

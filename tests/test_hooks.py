@@ -1,12 +1,13 @@
-"""One ``test_hook_*`` per hook of ``hyperfsdp_core/hookspecs.py``, each exercising it for real.
+"""``test_hook_*`` for the init and forward hooks of ``hyperfsdp_core/hookspecs.py``.
 
-Every test runs on 2 CPU ranks. The throwaway plugin is registered in the rank
-process, inside the rank function, and unregistered in ``finally``.
+Every test exercises its hook for real on 2 CPU ranks, with a throwaway plugin
+registered in the rank process (``hyperfsdp_core.testing.registered``). Backward and
+finalize hooks: ``test_hooks_backward.py``; state-dict and plan hooks:
+``test_hooks_state_dict.py``; the command-line hook: ``test_cli.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import itertools
 
@@ -14,35 +15,17 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Shard
 
-from hyperfsdp_core import (
-    FSDPModule,
-    MixedPrecisionPolicy,
-    fully_shard,
-    get_plugin_manager,
-    hookimpl,
-)
-from hyperfsdp_core._mesh_info import fsdp_mesh_info
-from hyperfsdp_core._plugins import FIRST_PHASE, Phase
-from hyperfsdp_core.testing import run_on_ranks
+from hyperfsdp_core import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from hyperfsdp_core.plugin import ParamLayout, ShardedStorage, fsdp_mesh_info, hookimpl
+from hyperfsdp_core.testing import registered, run_on_ranks
 
 WORLD = 2
 TIMEOUT = 120
 
 
 # -- helpers (run in the rank processes) -----------------------------------------------------------
-
-
-@contextlib.contextmanager
-def registered(plugin: object, name: str):
-    pm = get_plugin_manager()
-    pm.register(plugin, name=name)
-    try:
-        yield pm
-    finally:
-        pm.unregister(plugin)
-    assert pm.get_plugin(name) is None
 
 
 def make_model(*dims: int) -> nn.Sequential:
@@ -275,6 +258,107 @@ def test_hook_param_dtypes():
         assert master == ("DTensor", torch.float32)
 
 
+class LayoutPlugin:
+    """Layer 0's weight gets a layout with observable callables: ``unwrap_grad`` doubles
+    its gradient, so that weight's gradient is twice the reference's."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+        self.wraps: list = []
+        self.unwraps = 0
+
+    @hookimpl
+    def hyperfsdp_param_layout(self, unit, fqn, param, mesh_info, shard_dim):
+        self.calls.append((fqn, shard_dim, mesh_info.shard_size))
+        if fqn != "0.weight":
+            return None  # the core's default layout
+
+        def wrap(tensor):
+            self.wraps.append(tuple(tensor.shape))
+            return tensor
+
+        def unwrap(grad):
+            self.unwraps += 1
+            return grad * 2
+
+        return ParamLayout(
+            tensor=param.detach(),
+            mesh=mesh_info.mesh,
+            placements=(Shard(0),),
+            global_shape=param.shape,
+            wrap_unsharded=wrap,
+            unwrap_grad=unwrap,
+        )
+
+
+def rank_param_layout():
+    model = make_model(4, 6, 3)
+    ref = copy.deepcopy(model)
+    plugin = LayoutPlugin()
+    x = same_input()
+    with registered(plugin, "test_param_layout"):
+        fully_shard(model)
+        for _ in range(2):
+            model(x).sum().backward()
+    for _ in range(2):
+        ref(x).sum().backward()
+    grads = full_grads(model)
+    for n, p in ref.named_parameters():
+        expected = p.grad * 2 if n == "0.weight" else p.grad
+        torch.testing.assert_close(grads[n], expected, msg=n)
+    return plugin.calls, plugin.wraps, plugin.unwraps
+
+
+def test_hook_param_layout():
+    for calls, wraps, unwraps in run_on_ranks(WORLD, rank_param_layout, timeout=TIMEOUT):
+        # asked once per parameter at fully_shard time, FQNs relative to the unit
+        assert calls == [("0.weight", 0, 2), ("0.bias", 0, 2), ("1.weight", 0, 2), ("1.bias", 0, 2)]
+        assert wraps == [(6, 4)]  # once, when the unsharded parameter is created
+        assert unwraps == 2  # once per backward
+
+
+class HostStoragePlugin:
+    """Answers for units with a CPUOffloadPolicy: sharded storage on the host."""
+
+    def __init__(self) -> None:
+        self.units: list = []
+
+    @hookimpl
+    def hyperfsdp_sharded_storage(self, unit):
+        if not isinstance(unit.offload_policy, CPUOffloadPolicy):
+            return None
+        self.units.append([fqn for fqn, _ in unit.named_params])
+        return ShardedStorage(torch.device("cpu"), pin_memory=False)
+
+
+def rank_sharded_storage():
+    model = make_model(4, 6, 3)
+    ref = copy.deepcopy(model)
+    plugin = HostStoragePlugin()
+    policy = CPUOffloadPolicy(pin_memory=False)
+    with registered(plugin, "test_sharded_storage"):
+        for layer in model:
+            fully_shard(layer, offload_policy=policy)
+        fully_shard(model)  # the root without offload: the hook is asked, answers None
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        x = same_input()
+        for _ in range(2):
+            model(x).sum().backward()
+            ref(x).sum().backward()
+            opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(dict(model.named_parameters())[n].full_tensor(), p, msg=n)
+    devices = {p.to_local().device.type for p in model.parameters()}
+    return plugin.units, devices
+
+
+def test_hook_sharded_storage():
+    for units, devices in run_on_ranks(WORLD, rank_sharded_storage, timeout=TIMEOUT):
+        assert units == [["weight", "bias"], ["weight", "bias"]]
+        assert devices == {"cpu"}
+
+
 # -- forward hooks --------------------------------------------------------------------------------
 
 
@@ -286,9 +370,9 @@ class InputTransformPlugin:
         self.applied = 0
 
     @hookimpl
-    def hyperfsdp_forward_input_transform(self, state):
-        self.states.append((type(state).__name__, state.fqn, state.is_root))
-        if not state.is_root:
+    def hyperfsdp_forward_input_transform(self, unit):
+        self.states.append((type(unit).__name__, unit.fqn, unit.is_root))
+        if not unit.is_root:
             return None
 
         def double(args, kwargs):
@@ -320,9 +404,9 @@ def test_hook_forward_input_transform():
     ):
         assert before == 0  # not at fully_shard time: at the root's first forward
         assert sorted(states) == [
-            ("FSDPState", "", True),
-            ("FSDPState", "0", False),
-            ("FSDPState", "1", False),
+            ("UnitView", "", True),
+            ("UnitView", "0", False),
+            ("UnitView", "1", False),
         ]
         assert applied == 2  # once per forward, by the one unit that returned a callable
         assert per_unit == [1, 0, 0]
@@ -336,11 +420,11 @@ class OutputTransformPlugin:
         self.applied: list = []
 
     @hookimpl
-    def hyperfsdp_forward_output_transform(self, state):
-        self.states.append((state.fqn, state.is_root))
-        if state.is_root:
+    def hyperfsdp_forward_output_transform(self, unit):
+        self.states.append((unit.fqn, unit.is_root))
+        if unit.is_root:
             return self._add_one
-        if state.fqn == "0":
+        if unit.fqn == "0":
             return self._triple
         return None
 
@@ -383,226 +467,48 @@ def test_hook_forward_output_transform():
         assert applied == ["0", "root", "0", "root"]
 
 
-# -- backward hooks -------------------------------------------------------------------------------
+class DoublingInput:
+    """Produces every all-gather input as twice the sharded storage."""
 
-
-class ReducerPlugin:
-    def __init__(self, defer_prefix: str | None = None) -> None:
-        self.units: list = []
-        self.received: list = []
-        self.deferred: list = []
-        self.defer_prefix = defer_prefix
-
-    @hookimpl
-    def hyperfsdp_gradient_reducers(self, state):
-        if state.group is None:
-            return None
-        fqns = [p.fqn for p in state.group.params]
-        self.units.append(fqns)
-        defer = self.defer_prefix is not None and fqns[0].startswith(self.defer_prefix)
-
-        def reducer(reductions):
-            for reduction in reductions:  # one per bucket of this post-backward
-                self.received.append(
-                    (
-                        type(reduction).__name__,
-                        [p.fqn for p in reduction.members],
-                        reduction.output.numel(),
-                        # not applied yet: the reducer may still take the reduction over
-                        [p.sharded_param.grad is None for p in reduction.members],
-                    )
-                )
-                if defer:
-                    reduction.defer()
-                    self.deferred.append(reduction)
-
-        return reducer
-
-
-def rank_gradient_reducers():
-    x = same_input()
-    ref = make_model(4, 8, 3)
-    ref(x).sum().backward()
-    expected = {n: p.grad for n, p in ref.named_parameters()}
-
-    model = make_model(4, 8, 3)
-    fully_shard(model[0])
-    fully_shard(model)  # the root unit manages layer 1
-    plugin = ReducerPlugin()
-    with registered(plugin, "test_gradient_reducers"):
-        at_fully_shard = len(plugin.units)
-        model(x).sum().backward()
-        buckets_after_first = sorted(plugin.units)
-        received_after_first = sorted(plugin.received)
-        grads = full_grads(model)
-        model(x).sum().backward()
-        calls = (len(plugin.units), len(plugin.received))
-    for n, g in grads.items():
-        torch.testing.assert_close(g, expected[n], msg=n)
-
-    # A reducer that defers takes the reduction over: the core does not apply it.
-    model = make_model(4, 8, 3)
-    fully_shard(model[0])
-    fully_shard(model)
-    deferring = ReducerPlugin(defer_prefix="1.")
-    with registered(deferring, "test_gradient_reducers_defer"):
-        model(x).sum().backward()
-    grads_set = {n: p.grad is not None for n, p in model.named_parameters()}
-    deferred_members = [[p.fqn for p in r.members] for r in deferring.deferred]
-    for reduction in deferring.deferred:
-        reduction.apply()  # what a plugin does later, e.g. after its own all-reduce
-    for n, g in full_grads(model).items():
-        torch.testing.assert_close(g, expected[n], msg=n)
-    return (
-        at_fully_shard,
-        buckets_after_first,
-        received_after_first,
-        calls,
-        grads_set,
-        deferred_members,
-    )
-
-
-def test_hook_gradient_reducers():
-    for at_init, buckets, received, calls, grads_set, deferred in run_on_ranks(
-        WORLD, rank_gradient_reducers, timeout=TIMEOUT
-    ):
-        assert at_init == 0  # resolved at lazy init, not at fully_shard
-        assert buckets == [["0.weight", "0.bias"], ["1.weight", "1.bias"]]
-        # layer 0: (4*4 + 4) local elements; layer 1: 3 rows over 2 ranks -> padded to 2 rows.
-        assert received == [
-            ("Reduction", ["0.weight", "0.bias"], 4 * 4 + 4, [True, True]),
-            ("Reduction", ["1.weight", "1.bias"], 2 * 8 + 2, [True, True]),
-        ]
-        assert calls == (2, 4)  # resolved once per unit; one reduction per bucket per backward
-        assert grads_set == {"0.weight": True, "0.bias": True, "1.weight": False, "1.bias": False}
-        assert deferred == [["1.weight", "1.bias"]]
-
-
-# -- finalize hooks -------------------------------------------------------------------------------
-
-
-class AfterDrainPlugin:
     def __init__(self) -> None:
-        self.runs: list = []
+        self.units: list = []
+        self.fills: list = []
 
     @hookimpl
-    def hyperfsdp_finalize_phases(self):
-        return [Phase("test.after_drain", self.run, after=FIRST_PHASE)]
+    def hyperfsdp_all_gather_input(self, unit):
+        self.units.append(unit.fqn)
 
-    def run(self, ctx) -> None:
-        model = ctx.root.modules[0]
-        self.runs.append(
-            {
-                "ctx": type(ctx).__name__,
-                "root_is_model": ctx.root is model._hyperfsdp_state,
-                "grads": {
-                    n: p.grad.to_local().clone() if isinstance(p.grad, DTensor) else p.grad
-                    for n, p in model.named_parameters()
-                },
-            }
-        )
+        def fill(sharded, dest):
+            self.fills.append((unit.fqn, sharded.numel(), dest.numel(), dest.dtype))
+            torch.mul(sharded, 2, out=dest)
+
+        return fill
 
 
-def rank_finalize_phases():
-    model = make_model(4, 8, 3)
-    plugin = AfterDrainPlugin()
+def rank_all_gather_input():
+    model = make_model(4, 6, 3)
+    doubled = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in doubled.parameters():
+            p.mul_(2)
+    plugin = DoublingInput()
     x = same_input()
-    with registered(plugin, "test_finalize_phases") as pm:
-        order = [p.name for p in pm.finalization_phases()]
+    with registered(plugin, "test_all_gather_input"):
         shard_layers_and_root(model)
         with torch.no_grad():
-            model(x)
-        runs_after_forward_only = len(plugin.runs)
-        model(x).sum().backward()
-        first = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
-        runs_after_first = len(plugin.runs)
-        model(x).sum().backward()  # gradients accumulate
-        second = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
-    recorded = plugin.runs
-    checks = {
-        "ctx": [r["ctx"] for r in recorded],
-        "root": [r["root_is_model"] for r in recorded],
-        "grads_set_at_run": [all(g is not None for g in r["grads"].values()) for r in recorded],
-        "first_matches": all(torch.equal(recorded[0]["grads"][n], first[n]) for n in first),
-        "second_matches": all(torch.equal(recorded[1]["grads"][n], second[n]) for n in second),
-        "accumulated": all(torch.allclose(second[n], 2 * first[n]) for n in first),
-    }
-    return order, runs_after_forward_only, runs_after_first, len(recorded), checks
+            out = model(x)
+    torch.testing.assert_close(out, doubled(x))  # the forward used the fill's output
+    masters = {n: p.full_tensor() for n, p in model.named_parameters()}
+    for n, p in make_model(4, 6, 3).named_parameters():  # the master weights are untouched
+        torch.testing.assert_close(masters[n], p, msg=n)
+    return sorted(plugin.units), plugin.fills
 
 
-def test_hook_finalize_phases():
-    for order, after_forward, after_first, total, checks in run_on_ranks(
-        WORLD, rank_finalize_phases, timeout=TIMEOUT
-    ):
-        assert order[0] == FIRST_PHASE
-        assert "test.after_drain" in order
-        assert after_forward == 0
-        assert after_first == 1 and total == 2  # once per backward
-        assert checks == {
-            "ctx": ["RootContext", "RootContext"],
-            "root": [True, True],
-            "grads_set_at_run": [True, True],  # the drain ran first
-            "first_matches": True,
-            "second_matches": True,
-            "accumulated": True,
-        }
-
-
-# -- state-dict hooks -----------------------------------------------------------------------------
-
-
-class ResetPlugin:
-    def __init__(self) -> None:
-        self.calls: list = []
-
-    @hookimpl
-    def hyperfsdp_param_reset(self, param):
-        local = param.sharded_param.to_local()
-        self.calls.append(
-            (
-                type(param).__name__,
-                param.fqn,
-                local.dtype,
-                float(local.detach().flatten()[0]) if local.numel() else None,
-            )
-        )
-
-
-def rank_param_reset():
-    model = make_model(4, 8, 3)
-    shard_layers_and_root(model)
-    x = same_input()
-    model(x).sum().backward()  # lazy init done: FQNs are the root's
-    plugin = ResetPlugin()
-    calls = {}
-    with registered(plugin, "test_param_reset"):
-        sd = model.state_dict()
-        new = {k: torch.full_like(v, 0.5) for k, v in sd.items()}
-        model.load_state_dict(new, assign=True)
-        calls["load"], plugin.calls = plugin.calls, []
-        loaded_out = model(x).detach()
-        model.to(torch.float64)
-        calls["to"], plugin.calls = plugin.calls, []
-        out64 = model(x.double())
-        model.to_empty(device="cpu")
-        calls["to_empty"], plugin.calls = plugin.calls, []
-    ref = make_model(4, 8, 3)
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.fill_(0.5)
-    torch.testing.assert_close(loaded_out, ref(x))  # the loaded values are the ones used
-    return calls, out64.dtype
-
-
-def test_hook_param_reset():
-    fqns = ["0.weight", "0.bias", "1.weight", "1.bias"]
-    for rank, (calls, out_dtype) in enumerate(
-        run_on_ranks(WORLD, rank_param_reset, timeout=TIMEOUT)
-    ):
-        # layer 1's weight has 3 rows: rank 1 owns 1 row, still non-empty
-        assert calls["load"] == [("HSDPParam", f, torch.float32, 0.5) for f in fqns], rank
-        assert [c[:3] for c in calls["to"]] == [("HSDPParam", f, torch.float64) for f in fqns]
-        assert [c[3] for c in calls["to"]] == [0.5] * 4  # values kept, dtype converted
-        assert [c[:3] for c in calls["to_empty"]] == [("HSDPParam", f, torch.float64) for f in fqns]
-        assert out_dtype == torch.float64
+def test_hook_all_gather_input():
+    for units, fills in run_on_ranks(WORLD, rank_all_gather_input, timeout=TIMEOUT):
+        assert units == ["0", "1"]  # once per unit that manages parameters, at lazy init
+        # one fill per all-gather: each layer's padded slot (6x4+6 -> 3x4+3; 3x6+3 -> 2x6+2)
+        assert fills == [
+            ("0", 15, 15, torch.float32),
+            ("1", 14, 14, torch.float32),
+        ]

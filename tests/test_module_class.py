@@ -46,9 +46,7 @@ def test_class_union(run_ranks):
     assert out["same_class"] and out["isinstance"] and out["cached"]
     assert out["mro_head"] == ["FSDPLinear", "FSDPModule", "Linear"]
     assert out["repr"] == "FSDPLinear(in_features=3, out_features=4, bias=True)"
-    assert (
-        out["class_repr"] == "<class 'hyperfsdp_core.unioned.torch.nn.modules.linear.FSDPLinear'>"
-    )
+    assert out["class_repr"] == "<class 'torch.nn.modules.linear.FSDPLinear'>"
     assert out["pickled_class"] and out["pickled_seq_class"]
     assert out["slice_type"] == "Sequential"
     assert "state_dict" in out["deepcopy"]
@@ -62,6 +60,44 @@ def test_unioned_class_unpickles_in_a_fresh_process():
     )
     out = subprocess.run([sys.executable, "-c", code], input=data, capture_output=True, check=True)
     assert out.stdout.decode().split() == ["FSDPLinear", "Linear", "FSDPModule"]
+
+
+MIXIN_MODULE = """
+import abc
+
+
+class Marker:
+    def marked(self):
+        return "marked"
+
+
+class Sizer(abc.ABC):  # a mixin with its own metaclass
+    def size_hint(self):
+        return 7
+"""
+
+
+def test_unioned_class_with_plugin_mixins_unpickles_in_a_fresh_process(tmp_path, monkeypatch):
+    (tmp_path / "union_mixins.py").write_text(MIXIN_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import union_mixins
+
+    cls = fsdp_class(nn.Linear, (union_mixins.Marker, union_mixins.Sizer))
+    assert pickle.loads(pickle.dumps(cls)) is cls
+    assert type(cls).__name__ == "FSDPUnionedABCMeta"  # the mixin's metaclass wins
+    code = (
+        f"import pickle, sys; sys.path.insert(0, {str(tmp_path)!r}); "
+        "cls = pickle.loads(sys.stdin.buffer.read()); "
+        "from hyperfsdp_core._module import fsdp_class; import union_mixins, torch; "
+        "same = cls is fsdp_class(torch.nn.Linear, (union_mixins.Marker, union_mixins.Sizer)); "
+        "print(cls.__name__, [c.__name__ for c in cls.__mro__[1:4]], same)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], input=pickle.dumps(cls), capture_output=True, check=True
+    )
+    assert out.stdout.decode().strip() == (
+        "FSDPLinear_Marker_Sizer ['FSDPModule', 'Marker', 'Sizer'] True"
+    )
 
 
 def plan_rows():

@@ -6,6 +6,7 @@ import importlib
 import sys
 import textwrap
 import threading
+import types
 
 import pluggy
 import pytest
@@ -56,7 +57,7 @@ def names(pm: HyperFSDPPluginManager) -> list[str]:
 
 
 def test_builtin_manager_has_builtins_and_only_the_core_phase(pm):
-    assert [name for name, _ in pm.list_name_plugin()] == list(BUILTIN_PLUGINS)
+    assert [name for name, _ in pm.list_name_plugin()] == [n for n, _ in BUILTIN_PLUGINS]
     assert names(pm) == [FIRST_PHASE]
 
 
@@ -300,7 +301,7 @@ def test_unknown_hook_argument_is_rejected_before_registration(pm):
         pm.register(bad, name="bad")
     assert pm.get_plugin("bad") is None
     assert [impl.plugin_name for impl in pm.hook.hyperfsdp_validate_unit.get_hookimpls()] == [
-        "hyperfsdp_core._builtin.core"
+        "hyperfsdp.core"
     ]
 
 
@@ -337,8 +338,9 @@ def make_distribution(
 
 
 GOOD_PLUGIN = """
-    from hyperfsdp_core import hookimpl
-    from hyperfsdp_core._plugins import Phase
+    from hyperfsdp_core.plugin import Phase, hookimpl
+
+    HYPERFSDP_API = ">=1.0,<2"
 
     def _run(ctx):
         pass
@@ -350,6 +352,8 @@ GOOD_PLUGIN = """
 
 SECOND_PLUGIN = """
     from hyperfsdp_core import hookimpl
+
+    HYPERFSDP_API = ">=1"
 
     @hookimpl
     def hyperfsdp_validate_unit(unit):
@@ -389,12 +393,12 @@ def test_entry_point_plugins_are_discovered_and_registered(site):
     assert pm.get_plugin("zz_fake_second") is sys.modules["hyperfsdp_fake_second"]
     # Builtins first, then entry points sorted by entry-point name.
     registered = [name for name, _ in pm.list_name_plugin()]
-    assert registered[: len(BUILTIN_PLUGINS)] == list(BUILTIN_PLUGINS)
+    assert registered[: len(BUILTIN_PLUGINS)] == [name for name, _ in BUILTIN_PLUGINS]
     assert registered.index("fake_good") < registered.index("zz_fake_second")
     infos = {info.name: info for info in pm.plugin_infos()}
     assert infos["fake_good"] == PluginInfo("fake_good", "hyperfsdp-fake-good", "1.2.3")
     assert infos["zz_fake_second"] == PluginInfo("zz_fake_second", "hyperfsdp-fake-good", "1.2.3")
-    assert infos["hyperfsdp_core._builtin.core"].distribution == "hyperfsdp"
+    assert infos["hyperfsdp.core"].distribution == "hyperfsdp"
     order = names(pm)
     assert order[0] == FIRST_PHASE
     assert "fake.after_drain" in order
@@ -439,7 +443,7 @@ def test_autoload_switch_skips_entry_points(site, monkeypatch):
     )
     monkeypatch.setenv(DISABLE_AUTOLOAD_ENV, "1")
     pm = build_plugin_manager()  # the broken plugin is not even imported
-    assert [name for name, _ in pm.list_name_plugin()] == list(BUILTIN_PLUGINS)
+    assert [name for name, _ in pm.list_name_plugin()] == [n for n, _ in BUILTIN_PLUGINS]
     assert names(pm) == [FIRST_PHASE]
     assert "hyperfsdp_fake_broken" not in sys.modules
     # An explicit argument wins over the environment.
@@ -454,11 +458,11 @@ def test_entry_point_already_registered_by_name_is_not_loaded_twice(site, monkey
         site,
         "hyperfsdp-fake-good",
         "1.2.3",
-        {"hyperfsdp_core._builtin.core": "hyperfsdp_fake_good"},
+        {"hyperfsdp.core": "hyperfsdp_fake_good"},
         {"hyperfsdp_fake_good": GOOD_PLUGIN},
     )
     pm = build_plugin_manager()
-    assert pm.get_plugin("hyperfsdp_core._builtin.core").__name__ == "hyperfsdp_core._builtin.core"
+    assert pm.get_plugin("hyperfsdp.core").__name__ == "hyperfsdp_core._builtin.core"
     assert "hyperfsdp_fake_good" not in sys.modules
 
 
@@ -521,12 +525,12 @@ def test_process_wide_manager_is_sealed_and_rejects_bad_plugins():
 def test_phase_owners_name_the_declaring_plugin(pm):
     pm.register(PhasePlugin(Phase("x.mine", _noop), Phase("x.also_mine", _noop)), name="mine")
     assert pm.phase_owners() == {
-        FIRST_PHASE: "hyperfsdp_core._builtin.core",
+        FIRST_PHASE: "hyperfsdp.core",
         "x.mine": "mine",
         "x.also_mine": "mine",
     }
     pm.unregister(name="mine")
-    assert pm.phase_owners() == {FIRST_PHASE: "hyperfsdp_core._builtin.core"}
+    assert pm.phase_owners() == {FIRST_PHASE: "hyperfsdp.core"}
 
 
 def test_autoloaded_flag_records_whether_entry_points_were_loaded(monkeypatch):
@@ -552,3 +556,110 @@ def test_unregistering_an_entry_point_plugin_forgets_its_distribution(site):
     pm.register(replacement, name="fake_good")
     infos = {info.name: info for info in pm.plugin_infos()}
     assert infos["fake_good"] == PluginInfo("fake_good", "-", "-")
+
+
+# -- plugin API versions --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "ok"),
+    [
+        (">=1.0,<2", True),
+        (">=1", True),
+        ("==1.0", True),
+        ("==1", True),
+        (">=1.1", False),
+        ("<1", False),
+        (">=0.9, <1.0", False),
+        ("!=1.0", False),
+        (">0.9,<=1.0", True),
+    ],
+)
+def test_supports_api_against_version_1_0(spec, ok):
+    assert plugins.API_VERSION == (1, 0)
+    assert plugins.supports_api(spec) is ok
+
+
+@pytest.mark.parametrize("spec", ["", "1.0", ">=one", "~=1.0", ">=1.0;<2"])
+def test_malformed_api_range_is_rejected(pm, spec):
+    plugin = types.SimpleNamespace(HYPERFSDP_API=spec)
+    with pytest.raises(plugins.PluginVersionError, match="'odd'"):
+        pm.register(plugin, name="odd")
+    assert pm.get_plugin("odd") is None
+
+
+def test_runtime_plugin_with_an_unsupported_range_is_refused(pm):
+    class Future:
+        HYPERFSDP_API = ">=2.0,<3"
+
+        @hookimpl
+        def hyperfsdp_validate_unit(self, unit):
+            return None
+
+    with pytest.raises(plugins.PluginVersionError) as info:
+        pm.register(Future(), name="future")
+    assert str(info.value) == (
+        "hyperfsdp plugin 'future' supports plugin API >=2.0,<3, but hyperfsdp's plugin API "
+        "is 1.0. Install a version of the plugin made for this hyperfsdp, or a hyperfsdp whose "
+        "plugin API it supports"
+    )
+    assert pm.get_plugin("future") is None
+
+
+OLD_PLUGIN = """
+    from hyperfsdp_core.plugin import hookimpl
+
+    HYPERFSDP_API = ">=0.1,<1"
+
+    @hookimpl
+    def hyperfsdp_validate_unit(unit):
+        return None
+"""
+
+UNDECLARED_PLUGIN = """
+    from hyperfsdp_core.plugin import hookimpl
+
+    @hookimpl
+    def hyperfsdp_validate_unit(unit):
+        return None
+"""
+
+
+def test_entry_point_plugin_for_another_api_fails_at_load_naming_it(site):
+    make_distribution(
+        site,
+        "hyperfsdp-fake-old",
+        "0.0.9",
+        {"fake_old": "hyperfsdp_fake_old"},
+        {"hyperfsdp_fake_old": OLD_PLUGIN},
+    )
+    with pytest.raises(plugins.PluginVersionError) as info:
+        build_plugin_manager()
+    assert str(info.value) == (
+        "hyperfsdp plugin 'fake_old' from distribution 'hyperfsdp-fake-old' 0.0.9 supports "
+        "plugin API >=0.1,<1, but hyperfsdp's plugin API is 1.0. Install a version of the "
+        "plugin made for this hyperfsdp, or a hyperfsdp whose plugin API it supports"
+    )
+    assert isinstance(info.value, PluginLoadError)  # `hyperfsdp plugins` reports it
+
+
+def test_entry_point_plugin_must_declare_its_api_range(site):
+    make_distribution(
+        site,
+        "hyperfsdp-fake-undeclared",
+        "1.0",
+        {"fake_undeclared": "hyperfsdp_fake_undeclared"},
+        {"hyperfsdp_fake_undeclared": UNDECLARED_PLUGIN},
+    )
+    with pytest.raises(plugins.PluginVersionError, match="does not declare the plugin API") as info:
+        build_plugin_manager()
+    assert "HYPERFSDP_API = '>=1.0,<2'" in str(info.value)
+
+
+def test_installed_plugins_declare_a_range_this_core_supports():
+    pm = build_plugin_manager()
+    for name, plugin in pm.list_name_plugin():
+        if name in dict(BUILTIN_PLUGINS):
+            continue
+        spec = getattr(plugin, plugins.API_ATTRIBUTE)
+        assert plugins.supports_api(spec), name

@@ -1,19 +1,20 @@
-"""The core's own plugin: input validation, 1-D mesh topology, the reduce-scatter drain."""
+"""The core's own plugin: input validation, 1-D mesh topology, the default parameter layout,
+gradient landing and load conversion, and the reduce-scatter drain phase."""
 
 from __future__ import annotations
 
-import weakref
-
+import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .._mesh_info import MeshInfo, fsdp_mesh_info
+from .._mesh_info import MeshInfo, ProcessGroupCache, fsdp_mesh_info
+from .._param import placements_for
 from .._plugins import FIRST_PHASE, Phase, hookimpl
+from .._records import ParamLayout
 from .._unit import UnitSpec
-from ..policies import CPUOffloadPolicy
+from .._views import ParamView, RootView, UnitView
 
-_mesh_infos: weakref.WeakKeyDictionary[DeviceMesh, MeshInfo] = weakref.WeakKeyDictionary()
+_mesh_infos: ProcessGroupCache[MeshInfo] = ProcessGroupCache()
 
 
 def _need_plugin(what: str, extra: str) -> ImportError:
@@ -37,8 +38,6 @@ def hyperfsdp_validate_unit(unit: UnitSpec) -> None:
             f"mesh ({', '.join(fqn for fqn, _ in dtensor)}); pass mesh=root_mesh['dp'] (a "
             "sibling of the TP mesh dim in the same named root mesh)"
         )
-    if isinstance(unit.offload_policy, CPUOffloadPolicy) and not _has_plugin("offload"):
-        raise _need_plugin("CPUOffloadPolicy", "offload")
     raf = unit.reshard_after_forward
     if isinstance(raf, int) and not isinstance(raf, bool):
         shard = unit.mesh.size(unit.mesh.ndim - 1)
@@ -47,12 +46,6 @@ def hyperfsdp_validate_unit(unit: UnitSpec) -> None:
                 f"reshard_after_forward={raf}: an int must be a divisor of the shard mesh size "
                 f"({shard}) other than 1 and {shard}; use True/False otherwise"
             )
-
-
-def _has_plugin(name: str) -> bool:
-    from .._plugins import get_plugin_manager
-
-    return get_plugin_manager().get_plugin(name) is not None
 
 
 @hookimpl(trylast=True)
@@ -66,14 +59,51 @@ def hyperfsdp_select_mesh_info(unit: UnitSpec, fqn: str, param: nn.Parameter) ->
         raise _need_plugin("dp_mesh_dims", "tp")
     if mesh.ndim != 1:
         raise _need_plugin(f"a {mesh.ndim}-D mesh (HSDP)", "hsdp")
-    info = _mesh_infos.get(mesh)
-    if info is None:
-        info = _mesh_infos[mesh] = fsdp_mesh_info(mesh)
-    return info
+    return _mesh_infos.setdefault(mesh, lambda: fsdp_mesh_info(mesh))
 
 
-def _drain(ctx) -> None:
-    ctx.drain_reductions()
+@hookimpl(trylast=True)
+def hyperfsdp_param_layout(
+    unit: UnitSpec, fqn: str, param: nn.Parameter, mesh_info: MeshInfo, shard_dim: int
+) -> ParamLayout:
+    return ParamLayout(
+        tensor=param.detach(),
+        mesh=mesh_info.mesh,
+        placements=placements_for(mesh_info, shard_dim),
+        global_shape=tuple(param.shape),
+    )
+
+
+def _to_storage(param: ParamView, shard: torch.Tensor) -> torch.Tensor:
+    device = param.sharded_param.device
+    if shard.device == device:
+        return shard
+    return shard.to(device, non_blocking=True)
+
+
+@hookimpl(trylast=True)
+def hyperfsdp_grad_landing(unit: UnitView):
+    if any(p.sharded_param.device != unit.device for p in unit.params):
+        return _to_storage
+    return None
+
+
+@hookimpl(trylast=True)
+def hyperfsdp_load_convert(param: ParamView, value: torch.Tensor) -> torch.Tensor | None:
+    if isinstance(value, DTensor) or tuple(value.shape) != param.global_shape:
+        return None  # the core's validation names what it expected
+    # every rank holds the full tensor: take this rank's shard, no communication
+    local = distribute_tensor(
+        value.detach().to(param.sharded_param.device),
+        param.device_mesh,
+        param.placements,
+        src_data_rank=None,
+    )
+    return local
+
+
+def _drain(root: RootView) -> None:
+    root._hyperfsdp_ctx.drain_reductions()
 
 
 @hookimpl

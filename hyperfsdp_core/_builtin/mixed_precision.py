@@ -13,8 +13,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from .._plugins import hookimpl
-from .._unit import UnitSpec
+from ..plugin import UnitSpec, hookimpl
 
 
 def _cast(dtype: torch.dtype, x):
@@ -35,8 +34,8 @@ def hyperfsdp_param_dtypes(unit: UnitSpec, param: nn.Parameter):
 
 
 @hookimpl
-def hyperfsdp_forward_input_transform(state):
-    policy = state.mp_policy
+def hyperfsdp_forward_input_transform(unit):
+    policy = unit.mp_policy
     if policy is None or not policy.cast_forward_inputs or policy.param_dtype is None:
         return None
     cast = partial(_cast, policy.param_dtype)
@@ -48,8 +47,8 @@ def hyperfsdp_forward_input_transform(state):
 
 
 @hookimpl
-def hyperfsdp_forward_output_transform(state):
-    policy = state.mp_policy
+def hyperfsdp_forward_output_transform(unit):
+    policy = unit.mp_policy
     if policy is None or policy.output_dtype is None:
         return None
     return partial(tree_map, partial(_cast, policy.output_dtype))

@@ -5,14 +5,15 @@ Topology: a 2-D mesh ``(replicate, shard)`` gives HSDP mesh infos; parameters li
 then all-gathers and reduce-scatters over each parameter's shard group (or aliases the
 local shard when the shard size is 1).
 
-Reduction: after a unit's reduce-scatters finish, its reducer groups the reductions that
-need an all-reduce by (process group, op, dtype, device) and launches one all-reduce per
-group; the ``dp.all_reduce`` phase waits for all of them and applies the gradients.
+Reduction: after a unit's reduce-scatters finish, its reducer defers the reductions that
+need an all-reduce, groups them by (process group, op, dtype, device) and launches one
+all-reduce per group; the ``dp.all_reduce`` phase waits for all of them and releases the
+reductions, which then land on the parameters' gradients (unless another plugin, e.g.
+tensor parallelism, still holds them). Written against ``hyperfsdp_core.plugin`` only.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 
 import torch
@@ -21,19 +22,29 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from hyperfsdp_core import hookimpl
-from hyperfsdp_core._collectives import Comm, Handle
-from hyperfsdp_core._mesh_info import MeshInfo, ddp_mesh_info, hsdp_mesh_info
-from hyperfsdp_core._plugins import FIRST_PHASE, Phase
-from hyperfsdp_core._reduction import Reduction
-from hyperfsdp_core._unit import UnitSpec
+from hyperfsdp_core.plugin import (
+    FIRST_PHASE,
+    MeshInfo,
+    Phase,
+    PluginComm,
+    ProcessGroupCache,
+    Reduction,
+    RootView,
+    StashKey,
+    UnitSpec,
+    UnitView,
+    Work,
+    ddp_mesh_info,
+    hookimpl,
+    hsdp_mesh_info,
+)
 
+HYPERFSDP_API = ">=1.0,<2"
 PHASE = "dp.all_reduce"
-_STASH = "hyperfsdp_hsdp"
 
-_hsdp_infos: weakref.WeakKeyDictionary[DeviceMesh, MeshInfo] = weakref.WeakKeyDictionary()
-_ddp_infos: weakref.WeakKeyDictionary[DeviceMesh, MeshInfo] = weakref.WeakKeyDictionary()
-_flat_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_hsdp_infos: ProcessGroupCache[MeshInfo] = ProcessGroupCache()
+_ddp_infos: ProcessGroupCache[MeshInfo] = ProcessGroupCache()
+_flat_groups: ProcessGroupCache[dist.ProcessGroup] = ProcessGroupCache()
 
 
 # -- topology -------------------------------------------------------------------------------------
@@ -57,34 +68,30 @@ def hyperfsdp_select_mesh_info(unit: UnitSpec, fqn: str, param: nn.Parameter) ->
     if param in unit.replicate_params:
         return _ddp_info(mesh)
     if mesh.ndim == 2:
-        info = _hsdp_infos.get(mesh)
-        if info is None:
-            info = _hsdp_infos[mesh] = hsdp_mesh_info(mesh)
-        return info
+        return _hsdp_infos.setdefault(mesh, lambda: hsdp_mesh_info(mesh))
     return None
 
 
 def _ddp_info(mesh: DeviceMesh) -> MeshInfo:
     """Replicated over every rank of the data-parallel mesh (all R*S ranks under HSDP)."""
-    info = _ddp_infos.get(mesh)
-    if info is None:
+
+    def make() -> MeshInfo:
         group = mesh.get_group(0) if mesh.ndim == 1 else _flat_group(mesh)
-        info = _ddp_infos[mesh] = ddp_mesh_info(
-            mesh, group, dist.get_world_size(group), dist.get_rank(group)
-        )
-    return info
+        return ddp_mesh_info(mesh, group, dist.get_world_size(group), dist.get_rank(group))
+
+    return _ddp_infos.setdefault(mesh, make)
 
 
 def _flat_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     ranks = tuple(sorted(mesh.mesh.flatten().tolist()))
-    group = _flat_groups.get(ranks)
-    if group is None:
+
+    def make() -> dist.ProcessGroup:
         if len(ranks) == dist.get_world_size():
-            group = dist.group.WORLD
-        else:  # only the mesh's ranks call fully_shard with it
-            group = dist.new_group(list(ranks), use_local_synchronization=True)
-        _flat_groups[ranks] = group
-    return group
+            return dist.group.WORLD
+        # only the mesh's ranks call fully_shard with it
+        return dist.new_group(list(ranks), use_local_synchronization=True)
+
+    return _flat_groups.setdefault(ranks, make)
 
 
 # -- reduction ------------------------------------------------------------------------------------
@@ -93,10 +100,11 @@ def _flat_group(mesh: DeviceMesh) -> dist.ProcessGroup:
 class _AllReduces:
     """One root's all-reduces in flight, and partial sums kept while all-reduce is off."""
 
-    def __init__(self, comm: Comm) -> None:
+    def __init__(self, comm: PluginComm) -> None:
         self.comm = comm
-        self.in_flight: list[tuple[Handle, list[Reduction], torch.Tensor | None]] = []
-        self.partial: dict[int, torch.Tensor] = {}  # id(bucket) -> summed reduce-scatter output
+        self.in_flight: list[tuple[Work, list[Reduction], torch.Tensor | None]] = []
+        #: Reduction.key -> summed reduce-scatter outputs not all-reduced yet
+        self.partial: dict[tuple, torch.Tensor] = {}
 
     def launch(self, group: dist.ProcessGroup, reductions: list[Reduction]) -> None:
         if len(reductions) == 1:
@@ -104,13 +112,13 @@ class _AllReduces:
             tensor = reductions[0].output
         else:  # several buckets share the group: one collective over their concatenation
             flat = tensor = torch.cat([r.output for r in reductions])
-        handle = self.comm.all_reduce(tensor, group, dist.ReduceOp.SUM)
-        self.in_flight.append((handle, reductions, flat))
+        work = self.comm.all_reduce(tensor, group, dist.ReduceOp.SUM, unit=reductions[0].unit.fqn)
+        self.in_flight.append((work, reductions, flat))
 
     def drain(self) -> None:
         in_flight, self.in_flight = self.in_flight, []
-        for handle, reductions, flat in in_flight:
-            handle.wait()
+        for work, reductions, flat in in_flight:
+            work.wait()
             if flat is not None:
                 offset = 0
                 for red in reductions:
@@ -118,46 +126,39 @@ class _AllReduces:
                     red.output.copy_(flat[offset : offset + n])
                     offset += n
             for red in reductions:
-                hook = red.bucket.all_reduce_hook
-                if hook is not None:
-                    hook(red.output)
-                red.apply()
+                red.release()
 
     def reset(self) -> None:
-        for handle, _, _ in self.in_flight:
-            handle.abandon()
+        for work, _, _ in self.in_flight:
+            work.abandon()  # recovering from a failed iteration: the result is dropped
         self.in_flight = []
         self.partial.clear()
 
 
-def _queue(ctx) -> _AllReduces:
-    queue = ctx.stash.get(_STASH)
-    if queue is None:
-        queue = ctx.stash[_STASH] = _AllReduces(ctx.comm)
-    return queue
+_QUEUE = StashKey[_AllReduces]("hsdp.all_reduces")
 
 
 @hookimpl
-def hyperfsdp_gradient_reducers(state):
-    group = state.group
-    if group is None or not any(b.mesh_info.replicate_size > 1 for b in group.buckets):
+def hyperfsdp_gradient_reducers(unit: UnitView):
+    if not any(p.replicate_size > 1 for p in unit.params):
         return None
 
     def reduce(reductions: Sequence[Reduction]) -> None:
-        queue = _queue(state.ctx)
+        root = unit.root
+        assert root is not None
+        queue = root.stash.setdefault(_QUEUE, lambda: _AllReduces(root.comm))
         launch: dict[tuple, list[Reduction]] = {}
         for red in reductions:
-            info = red.bucket.mesh_info
+            info = red.mesh_info
             if info.replicate_size <= 1:
                 continue
-            red.defer()
-            key = id(red.bucket)
-            partial = queue.partial.pop(key, None)
+            partial = queue.partial.pop(red.key, None)
             if partial is not None:
                 red.output.add_(partial)
-            if not state.requires_all_reduce:  # accumulate reduce-scatter results only
-                queue.partial[key] = red.output
+            if not unit.requires_all_reduce:  # accumulate reduce-scatter results only
+                queue.partial[red.key] = red.consume()
                 continue
+            red.defer()
             out = red.output
             launch.setdefault(
                 (info.replicate_group, dist.ReduceOp.SUM, out.dtype, out.device), []
@@ -168,8 +169,8 @@ def hyperfsdp_gradient_reducers(state):
     return reduce
 
 
-def _drain(ctx) -> None:
-    queue = ctx.stash.get(_STASH)
+def _drain(root: RootView) -> None:
+    queue = root.stash.get(_QUEUE, None)
     if queue is not None:
         queue.drain()
 

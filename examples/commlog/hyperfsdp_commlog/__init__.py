@@ -1,0 +1,1 @@
+"""hyperfsdp-commlog: an example third-party hyperfsdp plugin (see docs/plugins.md)."""

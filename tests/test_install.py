@@ -1,0 +1,200 @@
+"""Installed as users install it: ``make dist`` wheels into a fresh virtual environment.
+
+The fresh environment reuses this interpreter's torch (and the few packages the
+wheels depend on) through a ``.pth`` file that points at a folder holding only those
+distributions, so pip sees them installed and needs no index; hyperfsdp and its
+plugins come from the wheels alone (``--no-index``). From that install: the plugins
+load, a 2-rank smoke run goes through each, and the ``hyperfsdp`` command works.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+#: distributions the wheels need from outside (torch's requirements follow)
+REUSED = ("torch", "pluggy", "attrs", "numpy", "tqdm", "safetensors")
+EXTRAS = {
+    name.split("-", 1)[1]: name
+    for name in ("hyperfsdp-hsdp", "hyperfsdp-tp", "hyperfsdp-offload", "hyperfsdp-dcp")
+}
+TIMEOUT = 600
+
+
+def _requirement_closure(names) -> list[importlib.metadata.Distribution]:
+    seen: dict[str, importlib.metadata.Distribution] = {}
+    todo = list(names)
+    while todo:
+        name = todo.pop()
+        key = re.sub(r"[-_.]+", "-", name).lower()
+        if key in seen:
+            continue
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue  # optional (numpy, safetensors) or platform-specific
+        seen[key] = dist
+        for req in dist.requires or ():
+            if "extra ==" in req:
+                continue
+            todo.append(re.match(r"[A-Za-z0-9._-]+", req)[0])
+    return list(seen.values())
+
+
+def _reuse_folder(folder: Path) -> Path:
+    """Symlinks to the reused distributions' files (top-level entries of each)."""
+    folder.mkdir()
+    for dist in _requirement_closure(REUSED):
+        base = Path(dist.locate_file(""))
+        tops = {Path(f).parts[0] for f in dist.files or () if not str(f).startswith("..")}
+        for top in tops:
+            src, dst = base / top, folder / top
+            if src.exists() and not dst.exists() and top != "__pycache__":
+                dst.symlink_to(src)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory) -> Path:
+    dist = tmp_path_factory.mktemp("dist")
+    subprocess.run(
+        ["make", "-s", "-C", str(ROOT), "dist", f"DIST_DIR={dist}", f"PY={sys.executable}"],
+        check=True,
+        capture_output=True,
+        timeout=TIMEOUT,
+    )
+    return dist
+
+
+def _fresh_env(tmp: Path, wheels: Path, requirement: str) -> Path:
+    env = tmp / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
+    python = env / "bin" / "python"
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    (Path(site) / "reused.pth").write_text(str(_reuse_folder(tmp / "reused")) + "\n")
+    install = [
+        sys.executable, "-m", "pip", "--python", str(python), "install", "-q",
+        "--no-index", "--find-links", str(wheels), requirement,
+    ]  # fmt: skip
+    subprocess.run(install, check=True, capture_output=True, timeout=TIMEOUT)
+    return python
+
+
+def _run(python: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["PYTHONWARNINGS"] = "ignore"
+    return subprocess.run(
+        [str(python), *args], capture_output=True, text=True, timeout=TIMEOUT, cwd=cwd, env=env
+    )
+
+
+# Runs in the fresh environment: a 2-rank smoke run through every installed plugin.
+SMOKE = textwrap.dedent(
+    """
+    import json, sys
+
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hyperfsdp_core import fully_shard
+    from hyperfsdp_core.plugin import get_plugin_manager
+    from hyperfsdp_core.testing import run_on_ranks
+
+
+    def step(model, mesh, **kwargs):
+        fully_shard(model[0], mesh=mesh, **kwargs)
+        fully_shard(model, mesh=mesh, **kwargs)
+        model(torch.randn(4, 8)).sum().backward()
+        return sorted({str(type(p.grad).__name__) for p in model.parameters()})
+
+
+    def fsdp():
+        torch.manual_seed(0)
+        return step(nn.Sequential(nn.Linear(8, 7), nn.ReLU(), nn.Linear(7, 3)), None)
+
+
+    def hsdp():
+        mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+        torch.manual_seed(0)
+        return step(nn.Sequential(nn.Linear(8, 7), nn.ReLU(), nn.Linear(7, 3)), mesh)
+
+
+    def rank_main():
+        pm = get_plugin_manager()
+        names = [n for n, _ in pm.list_name_plugin() if not n.startswith("hyperfsdp.")]
+        runs = {"core": fsdp()}
+        for name in names:
+            runs[name] = globals()[name]()
+        return names, runs
+
+
+    if __name__ == "__main__":
+        results = run_on_ranks(2, rank_main, timeout=120)
+        print(json.dumps(results[0]))
+    """
+)
+
+
+def _check_install(tmp: Path, wheels: Path, extras: list[str]) -> None:
+    python = _fresh_env(tmp, wheels, f"hyperfsdp[{','.join(extras)}]")
+    work = tmp / "work"  # outside the checkout: nothing importable by accident
+    work.mkdir()
+    where = _run(python, "-c", "import hyperfsdp_core; print(hyperfsdp_core.__file__)", cwd=work)
+    assert str(tmp) in where.stdout, where.stdout + where.stderr  # the wheel, not the checkout
+
+    (work / "smoke.py").write_text(SMOKE)
+    proc = _run(python, "smoke.py", cwd=work)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    names, runs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert sorted(names) == sorted(extras)
+    assert all(kinds == ["DTensor"] for kinds in runs.values()), runs
+
+    plugins = _run(python, "-m", "hyperfsdp_core", "plugins", cwd=work)
+    assert plugins.returncode == 0, plugins.stderr
+    for extra in extras:
+        assert re.search(rf"^\s+{extra}\s+{EXTRAS[extra]}\s", plugins.stdout, re.MULTILINE)
+
+    demo = _run(python, "-m", "hyperfsdp_core", "demo", "--world-size", "2", "--steps", "2",
+                "--layers", "1", "--dim", "16", cwd=work)  # fmt: skip
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    assert "parity with the single-process reference: OK" in demo.stdout
+
+    helptext = _run(python, "-m", "hyperfsdp_core", "--help", cwd=work).stdout
+    assert " bench " not in helptext  # the benchmark suite ships with the checkout only
+    bench = _run(python, "-m", "hyperfsdp_core", "bench", cwd=work)
+    assert bench.returncode == 2 and "invalid choice: 'bench'" in bench.stderr
+
+
+def _available(wheels: Path, extras: tuple[str, ...]) -> list[str]:
+    names = {p.name.split("-")[0].replace("_", "-") for p in wheels.glob("*.whl")}
+    return [e for e in extras if EXTRAS[e] in names]
+
+
+def test_tp_hsdp_extras_install_from_wheels(wheels, tmp_path):
+    extras = _available(wheels, ("tp", "hsdp"))
+    assert "hsdp" in extras  # the extras that exist so far: tp arrives with its plugin
+    _check_install(tmp_path, wheels, extras)
+
+
+def test_wheels_are_built_for_the_core_and_every_plugin(wheels):
+    built = sorted(p.name.split("-")[0] for p in wheels.glob("*.whl"))
+    plugins = sorted(
+        "hyperfsdp_" + p.parent.name for p in (ROOT / "plugins").glob("*/pyproject.toml")
+    )
+    assert built == sorted(["hyperfsdp", *plugins])

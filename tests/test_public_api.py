@@ -1,0 +1,229 @@
+"""The public plugin API holds: plugins use nothing else, and every hookspec documents itself.
+
+Every Python file under ``plugins/*/`` and ``examples/*/`` (sources and tests) may import
+from ``hyperfsdp_core`` only names in ``hyperfsdp_core.__all__``, the module
+``hyperfsdp_core.plugin`` (names in its ``__all__``) and ``hyperfsdp_core.testing``; it may
+not touch the engine's private attributes (``module._hyperfsdp_state``, a view's
+``_hyperfsdp_*`` slot, or any ``_name`` the core defines and the plugin does not).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+import hyperfsdp_core
+from hyperfsdp_core import hookspecs, plugin
+
+ROOT = Path(__file__).resolve().parent.parent
+PUBLIC_MODULES = {
+    "hyperfsdp_core": set(hyperfsdp_core.__all__),
+    "hyperfsdp_core.plugin": set(plugin.__all__),
+    "hyperfsdp_core.testing": None,  # the test harness: everything public in it
+    "hyperfsdp_core.testing.counting": None,
+    "hyperfsdp_core.testing.reference": None,
+}
+PLUGIN_FILES = sorted(
+    p
+    for pattern in ("plugins/*/**/*.py", "examples/*/**/*.py")
+    for p in ROOT.glob(pattern)
+    if "build" not in p.parts
+)
+
+
+def _core_private_names() -> frozenset[str]:
+    """``_name`` attributes and methods the core defines (not dunders)."""
+    names = set()
+    for path in (ROOT / "hyperfsdp_core").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.FunctionDef):
+                names.add(node.name)
+            elif (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and node.value.isidentifier()
+            ):
+                names.add(node.value)  # __slots__ entries
+    return frozenset(n for n in names if n.startswith("_") and not n.startswith("__"))
+
+
+CORE_PRIVATE = _core_private_names()
+
+
+def violations(source: str, filename: str = "<plugin>") -> list[str]:
+    """Every use of a non-public core name in ``source``, as ``"line: what"``."""
+    tree = ast.parse(source, filename=filename)
+    own = {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+    } | {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
+    aliases: dict[str, str] = {}  # local name -> public core module it stands for
+    found = []
+
+    def check_module(module: str, line: int) -> bool:
+        if module != "hyperfsdp_core" and not module.startswith("hyperfsdp_core."):
+            return True
+        if module not in PUBLIC_MODULES:
+            found.append(f"{line}: imports private module {module}")
+            return False
+        return True
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if check_module(alias.name, node.lineno) and alias.name in PUBLIC_MODULES:
+                    aliases[alias.asname or alias.name.split(".")[0]] = (
+                        alias.name if alias.asname else "hyperfsdp_core"
+                    )
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if not check_module(node.module, node.lineno):
+                continue
+            public = PUBLIC_MODULES.get(node.module, ())
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                if full in PUBLIC_MODULES:
+                    aliases[alias.asname or alias.name] = full
+                elif (
+                    node.module in PUBLIC_MODULES
+                    and public is not None
+                    and alias.name not in public
+                ):
+                    found.append(f"{node.lineno}: imports private name {full}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            base = node.value
+            if isinstance(base, ast.Name) and base.id in aliases:
+                module = aliases[base.id]
+                public = PUBLIC_MODULES[module]
+                full = f"{module}.{node.attr}"
+                if public is not None and node.attr not in public and full not in PUBLIC_MODULES:
+                    found.append(f"{node.lineno}: uses private name {full}")
+            attr = node.attr
+            if attr.startswith(("_hyperfsdp", "_fsdp_state")) or (
+                attr in CORE_PRIVATE and attr not in own
+            ):
+                found.append(f"{node.lineno}: accesses core-private attribute .{attr}")
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and node.value.startswith("_hyperfsdp")
+        ):
+            found.append(f"{node.lineno}: names core-private attribute {node.value!r}")
+    return sorted(found, key=lambda v: int(v.split(":")[0]))
+
+
+def test_there_are_plugin_sources_to_check():
+    names = {p.relative_to(ROOT).parts[1] for p in PLUGIN_FILES}
+    assert {"hsdp", "commlog"} <= names
+
+
+@pytest.mark.parametrize("path", PLUGIN_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_plugin_uses_only_the_public_api(path):
+    assert violations(path.read_text(), str(path)) == []
+
+
+def test_the_checker_finds_every_kind_of_violation():
+    source = """
+import hyperfsdp_core._state
+import hyperfsdp_core as hc
+from hyperfsdp_core import _plugins
+from hyperfsdp_core import fully_shard, FSDPModule
+from hyperfsdp_core._group import Bucket
+from hyperfsdp_core.plugin import hookimpl, Phase, _CLAUSE
+from hyperfsdp_core import plugin as api
+
+def f(model, unit, red):
+    model._hyperfsdp_state.group
+    model._fsdp_state()
+    unit._hyperfsdp_state
+    red._bucket
+    getattr(model, "_hyperfsdp_state")
+    hc._api
+    api.Phase
+    api.FIRST_PHASE
+    api._views
+    hc.fully_shard
+"""
+    assert violations(source) == [
+        "2: imports private module hyperfsdp_core._state",
+        "4: imports private name hyperfsdp_core._plugins",
+        "6: imports private module hyperfsdp_core._group",
+        "7: imports private name hyperfsdp_core.plugin._CLAUSE",
+        "11: accesses core-private attribute ._hyperfsdp_state",
+        "12: accesses core-private attribute ._fsdp_state",
+        "13: accesses core-private attribute ._hyperfsdp_state",
+        "14: accesses core-private attribute ._bucket",
+        "15: names core-private attribute '_hyperfsdp_state'",
+        "16: uses private name hyperfsdp_core._api",
+        "19: uses private name hyperfsdp_core.plugin._views",
+    ]
+
+
+def test_a_plugins_own_private_names_are_its_business():
+    source = """
+class Queue:
+    def __init__(self):
+        self._data = []
+        self._holds = 0
+
+    def push(self, x):
+        self._data.append(x)
+        return self._holds
+"""
+    assert "_holds" in CORE_PRIVATE  # the core's Reduction has one too
+    assert violations(source) == []
+
+
+def test_public_plugin_module_exports_exist_and_are_documented():
+    for name in plugin.__all__:
+        obj = getattr(plugin, name)
+        if callable(obj) and not isinstance(obj, type) and name != "hookimpl":
+            assert obj.__doc__, f"hyperfsdp_core.plugin.{name} has no docstring"
+        if isinstance(obj, type):
+            assert obj.__doc__, f"hyperfsdp_core.plugin.{name} has no docstring"
+
+
+HOOKSPECS = {
+    name: fn
+    for name, fn in vars(hookspecs).items()
+    if name.startswith("hyperfsdp_") and hasattr(fn, "hyperfsdp_spec")
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOOKSPECS))
+def test_hookspec_documents_every_parameter_and_its_return(name):
+    fn = HOOKSPECS[name]
+    doc = inspect.getdoc(fn) or ""
+    for param in inspect.signature(fn).parameters:
+        assert f":param {param}:" in doc, f"{name}: :param {param}: missing"
+    assert ":returns:" in doc, f"{name}: :returns: missing"
+    first_result = fn.hyperfsdp_spec.get("firstresult", False)
+    assert ("*First result.*" in doc) == first_result, f"{name}: say whether it is first-result"
+    hints = inspect.signature(fn)
+    assert hints.return_annotation is not inspect.Signature.empty
+    for param in hints.parameters.values():
+        assert param.annotation is not inspect.Parameter.empty, f"{name}({param.name}) untyped"
+
+
+def test_hookspec_signatures_name_only_public_types():
+    """Annotations in hookspecs.py refer to public types (``plugin.__all__``, torch, stdlib)."""
+    private_types = {
+        "FSDPState",
+        "ParamGroup",
+        "Bucket",
+        "HSDPParam",
+        "RootContext",
+        "Comm",
+    }
+    text = (ROOT / "hyperfsdp_core" / "hookspecs.py").read_text()
+    body = text.split("hookspec = pluggy.HookspecMarker", 1)[1]
+    used = {t for t in private_types if t in body}
+    assert used == set()
+    for name in ("UnitSpec", "UnitView", "ParamView", "RootView", "MeshInfo", "Reduction"):
+        assert name in plugin.__all__
