@@ -1,8 +1,10 @@
-"""Process-group caches do not survive ``destroy_process_group()``.
+"""Lifetimes of what the core creates: process-group caches, communication contexts.
 
 The core (separate reduce-scatter groups, 1-D mesh infos) and the hsdp plugin (HSDP and
 DDP mesh infos, flattened groups) cache objects made from process groups. After a
-re-initialization those groups are dead; the caches must hand out new ones.
+re-initialization those groups are dead; the caches must hand out new ones. A unit
+``unshard()``-ed before the root's first forward gets a provisional communication
+context, which the root replaces (and empties) at its lazy init.
 """
 
 from __future__ import annotations
@@ -63,3 +65,35 @@ def test_training_after_process_group_reinit(tmp_path):
     sums = run_on_ranks(2, rank_reinit, str(tmp_path), timeout=180)
     assert sums[0] == sums[1]
     assert sums[0][0:2] == sums[0][2:4] == sums[0][4:6]  # the same run, every generation
+
+
+def rank_unshard_before_first_forward():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 3))
+    fully_shard(model[0])
+    fully_shard(model)
+    model[0].unshard()  # before any forward: no root, no shared context yet
+    early = model[0]._hyperfsdp_state.comm
+    pooled_before = early.pooled_bytes
+    for _ in range(2):
+        model(torch.randn(4, 8)).sum().backward()
+    ctx = model._hyperfsdp_state.ctx
+    states = [m._hyperfsdp_state for m in (model, model[0])]
+    return {
+        "early_was_provisional": early.provisional,
+        "all_share_ctx_comm": all(s.comm is ctx.comm for s in states),
+        "early_replaced": early is not ctx.comm,
+        "early_trimmed": early.pooled_bytes == 0,
+        "pooled_before_forward": pooled_before > 0,
+    }
+
+
+def test_unshard_before_first_forward_joins_the_roots_context():
+    for out in run_on_ranks(2, rank_unshard_before_first_forward, timeout=120):
+        assert out == {
+            "early_was_provisional": True,
+            "all_share_ctx_comm": True,
+            "early_replaced": True,
+            "early_trimmed": True,
+            "pooled_before_forward": True,
+        }
