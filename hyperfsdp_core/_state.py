@@ -278,9 +278,7 @@ class FSDPState:
             self.modules_to_run.update(self.modules)
         group = self.group
         if group is not None:
-            if group.kept_versions is not None:
-                group.drop_if_stale()
-            group.unshard(self.comm)
+            group.unshard(self.comm)  # drops what it kept if an optimizer step made it stale
         if first_in_pass and not ctx.in_backward:
             self._forward_prefetch(ctx)  # overlaps the next unit's all-gather with our compute
         if group is not None:
