@@ -169,19 +169,26 @@ class Bucket:
         return StorageOwner.FUSED_BUFFER
 
     def init_unsharded(self) -> None:
-        """Create the stable unsharded Parameters (once per sharded storage)."""
+        """Create the stable unsharded Parameters (once per sharded storage).
+
+        They outlive the pass that creates them, so they are never inference tensors, even
+        when the first forward runs under ``torch.inference_mode`` (evaluation first).
+        """
         if self.unsharded_flat is not None or self.sharded_flat is None:
             return
         owner = self.storage_owner
-        if owner is StorageOwner.SHARDED_STORAGE:
-            base, scale = self.sharded_flat, 1
-        else:
-            base = torch.empty(self.world * self.total, dtype=self.param_dtype, device=self.device)
-            scale = self.world
-        for p, seg in zip(self.params, self.segments):
-            view = _alias(base, scale * seg.offset, p.global_shape, p.global_stride)
-            p.unsharded_param = nn.Parameter(view, requires_grad=p.requires_grad)
-            p.storage_owner = owner
+        with torch.inference_mode(False), torch.no_grad():
+            if owner is StorageOwner.SHARDED_STORAGE:
+                base, scale = self.sharded_flat, 1
+            else:
+                base = torch.empty(
+                    self.world * self.total, dtype=self.param_dtype, device=self.device
+                )
+                scale = self.world
+            for p, seg in zip(self.params, self.segments):
+                view = _alias(base, scale * seg.offset, p.global_shape, p.global_stride)
+                p.unsharded_param = nn.Parameter(view, requires_grad=p.requires_grad)
+                p.storage_owner = owner
         self.unsharded_flat = base
         if owner is not StorageOwner.SHARDED_STORAGE:
             _free(base)
@@ -370,21 +377,22 @@ class _PostForward:
             and first.shard_dim == 0
             and size * self.total == bucket.world * bucket.total
         )
-        self.flat = torch.empty(self.total, dtype=bucket.param_dtype, device=bucket.device)
         self.params = []
-        for p, lay, seg in zip(bucket.params, self.layouts, self.segments):
-            local = _alias(
-                self.flat, seg.offset, lay.actual_shape, contiguous_strides(lay.actual_shape)
-            )
-            dt = DTensor.from_local(
-                local,
-                info.mesh,
-                placements_for(info, p.shard_dim),
-                run_check=False,
-                shape=torch.Size(p.global_shape),
-                stride=p.global_stride,
-            )
-            self.params.append(nn.Parameter(dt, requires_grad=p.requires_grad))
+        with torch.inference_mode(False), torch.no_grad():  # persistent, as init_unsharded
+            self.flat = torch.empty(self.total, dtype=bucket.param_dtype, device=bucket.device)
+            for p, lay, seg in zip(bucket.params, self.layouts, self.segments):
+                local = _alias(
+                    self.flat, seg.offset, lay.actual_shape, contiguous_strides(lay.actual_shape)
+                )
+                dt = DTensor.from_local(
+                    local,
+                    info.mesh,
+                    placements_for(info, p.shard_dim),
+                    run_check=False,
+                    shape=torch.Size(p.global_shape),
+                    stride=p.global_stride,
+                )
+                self.params.append(nn.Parameter(dt, requires_grad=p.requires_grad))
         _free(self.flat)
 
 

@@ -331,10 +331,23 @@ def test_double_backward_gradient_penalty(run_ranks, world, with_output_term):
 # -- 6. evaluation between backward and optimizer step -----------------------------------------------
 
 
+def evaluate(model, ref, mode, seed):
+    x, y = batch(seed)
+    if mode == "eval":
+        model.eval(), ref.eval()
+        losses = lm_loss(model(local_slice(x)), local_slice(y)), lm_loss(ref(x), y)
+        model.train(), ref.train()
+    else:
+        with torch.no_grad() if mode == "no_grad" else torch.inference_mode():
+            losses = lm_loss(model(local_slice(x)), local_slice(y)), lm_loss(ref(x), y)
+    assert_loss(*losses, f"evaluation {seed}")
+
+
 def evaluate_mid_step(mode, reshard_after_forward):
     model, ref = pair()
     shard(model, reshard_after_forward=reshard_after_forward)
     opts = optimizers(model, ref, lr=5e-2)
+    evaluate(model, ref, mode, 99)  # before any training: the first forward (lazy init)
     for i in range(3):
         x, y = batch(i)
         loss = lm_loss(model(local_slice(x)), local_slice(y))
@@ -342,23 +355,7 @@ def evaluate_mid_step(mode, reshard_after_forward):
         ref_loss = lm_loss(ref(x), y)
         ref_loss.backward()
         assert_loss(loss, ref_loss, f"step {i}")
-        # evaluate between backward and optimizer step
-        ex, ey = batch(100 + i)
-        if mode == "eval":
-            model.eval(), ref.eval()
-            eval_loss, ref_eval = (
-                lm_loss(model(local_slice(ex)), local_slice(ey)),
-                lm_loss(ref(ex), ey),
-            )
-            model.train(), ref.train()
-        else:
-            ctx = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
-            with ctx:
-                eval_loss, ref_eval = (
-                    lm_loss(model(local_slice(ex)), local_slice(ey)),
-                    lm_loss(ref(ex), ey),
-                )
-        assert_loss(eval_loss, ref_eval, f"evaluation at step {i}")
+        evaluate(model, ref, mode, 100 + i)  # between backward and optimizer step
         step(opts)
     x, y = batch(50)  # the next training forward must see the updated parameters
     assert_loss(lm_loss(model(local_slice(x)), local_slice(y)), lm_loss(ref(x), y), "after")
