@@ -121,6 +121,12 @@ class RootContext:
                         param.register_post_accumulate_grad_hook(self._grad_in_graph)
                     )
 
+    @property
+    def graph_holds_params(self) -> bool:
+        """A create_graph graph may still read the unsharded parameters: the backward that
+        builds it is running, or it has run and no backward has consumed it yet."""
+        return self.graph_live and (self.creates_graph or not self.in_backward)
+
     def _grad_in_graph(self, param: torch.Tensor) -> None:
         if not self.in_backward:
             self.begin_backward()

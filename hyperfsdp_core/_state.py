@@ -369,7 +369,8 @@ class FSDPState:
     def _complete_forward(self, ctx: RootContext) -> None:
         self._transition("forward_post")
         if self.group is not None and not ctx.in_backward:
-            raf = self.reshard_after_forward
+            # a create_graph graph still reads the unsharded parameters: keep them
+            raf = self.reshard_after_forward if not ctx.graph_holds_params else False
             if raf is True:
                 self.group.reshard()
             else:
@@ -476,7 +477,7 @@ class FSDPState:
             # a create_graph graph saved our unsharded parameters and may still add
             # gradients to them later in this backward: the root drain reduces and reshards
             return
-        self._reduce(ctx, reshard=not (ctx.graph_live and ctx.creates_graph))
+        self._reduce(ctx, reshard=not ctx.graph_holds_params)
 
     def _reduce(self, ctx: RootContext, reshard: bool) -> None:
         group = self.group
@@ -538,8 +539,7 @@ class FSDPState:
             self._end_iteration(ctx, logging_on)
 
     def _end_iteration(self, ctx: RootContext, logging_on: bool) -> None:
-        # a create_graph backward's graph holds the unsharded parameters until consumed
-        keep_unsharded = ctx.graph_live and ctx.creates_graph
+        keep_unsharded = ctx.graph_holds_params
         for state in ctx.states:
             if logging_on:
                 state._log("root_backward_exit")
@@ -593,5 +593,6 @@ def reduce_grads(states: list[FSDPState]) -> None:
         for s, sync, all_reduce in saved:
             s.requires_gradient_sync, s.requires_all_reduce = sync, all_reduce
     if not ctx.in_backward:  # inside a backward, the root drain ends the iteration
+        keep_unsharded = ctx.graph_holds_params
         for s in states:
-            s._end_unit()
+            s._end_unit(keep_unsharded)

@@ -283,12 +283,20 @@ class Critic(nn.Module):
 
 
 def penalty_loss(model, x, with_output_term):
-    """WGAN-GP style: the gradient of the output with respect to the input, penalised."""
+    """WGAN-GP style: the gradient of the output with respect to the input, penalised;
+    with the output terms, one more forward before and one after the create_graph backward,
+    else a forward under no_grad (a metric) before the penalty's backward."""
     x = x.clone().requires_grad_()
+    real = model(x * 0.5) if with_output_term else None
     out = model(x)
     (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
     penalty = (g.norm(dim=1) - 1).pow(2).mean()
-    return (out.mean() + penalty) if with_output_term else penalty
+    if not with_output_term:
+        with torch.no_grad():
+            model(x * 3.0)
+        return penalty
+    fake = model(x.detach() * 2.0)
+    return fake.mean() - real.mean() + out.mean() + penalty
 
 
 def gradient_penalty(with_output_term):
