@@ -137,14 +137,19 @@ def pipeline_microbatches():
             # is_last_backward=False keeps the forward order for the next backward's prefetch
             assert bool(ctx.post_forward_order) == (not last)
         step(opts)
+        # the other tree-wide setting: set on a unit, consumed by the root's next forward
+        model.layers[0].set_post_optim_event(torch.Event())
+        ctx_flags.append(ctx.post_optim_event is not None)
     assert_close_params(model, ref, atol=ATOL, rtol=RTOL)
+    model(local_slice(batch(0)[0]))
+    ctx_flags.append(ctx.post_optim_event is None)
     return ctx_flags
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_backward_drains_whatever_is_last_backward(run_ranks, world):
     for flags in run_ranks(world, pipeline_microbatches, timeout=120):
-        assert flags == [False, False, True] * 2
+        assert flags == [False, False, True, True] * 2 + [True]
 
 
 # -- 2. pipeline reduce entry -------------------------------------------------------------------------
