@@ -9,7 +9,9 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from ._collectives import Comm, PluginComm
 from ._stash import Stash
@@ -38,10 +40,21 @@ class RootContext:
         self.finalize_runs: tuple = ()
         #: Plugins' per-root data (queues, groups), under their own StashKeys.
         self.stash = Stash()
+        # tree-wide settings (FSDPModule setters write them here, whichever unit they are
+        # called on): seeded from the root's values at lazy init
+        self.is_last_backward: bool = root.is_last_backward
+        self.post_optim_event = root.post_optim_event
         # per iteration
         self.iter_forward_root: FSDPState | None = None
         self.in_backward = False
         self.callback_queued = False
+        # the current backward runs with create_graph=True (grad mode on in its hooks)
+        self.creates_graph = False
+        # a create_graph backward saved the units' unsharded parameters in the graph it
+        # built: they stay allocated, and reductions wait for the root drain, until a
+        # backward that builds no graph has consumed it (see ``enter_graph_mode``)
+        self.graph_live = False
+        self._graph_hooks: list[Any] = []
         self.post_forward_order: list[FSDPState] = []
         self.forward_order: list[FSDPState] = []
         self.next_in_forward: dict[FSDPState, FSDPState] = {}
@@ -59,6 +72,14 @@ class RootContext:
         self.plugin_comm = PluginComm(comm)
         for state in self.states:
             state.comm = comm
+
+    def run_phases(self) -> None:
+        """Run the finalization phases in their resolved order (logged when logging is on)."""
+        logging_on = self.transition_log is not None
+        for name, run in self.finalize_runs:
+            if logging_on:
+                self.record(self.root.fqn, "phase", name, name)
+            run(self.view)
 
     # -- transition log ---------------------------------------------------------------------
     def enable_transition_log(self) -> list[tuple[str, str, str, str]]:
@@ -94,7 +115,48 @@ class RootContext:
         self.in_backward = True
         if not self.callback_queued:
             self.callback_queued = True
-            queue_end_of_backward_callback(self.root.root_post_backward)
+            queue_end_of_backward_callback(self.root.root_post_backward_hook)
+            # hooks run in autograd's grad mode, which is on exactly with create_graph=True
+            self.creates_graph = torch.is_grad_enabled()
+            if self.creates_graph and not self.graph_live:
+                self.enter_graph_mode()
+
+    # -- higher-order gradients -----------------------------------------------------------------
+    def enter_graph_mode(self) -> None:
+        """A backward builds a graph (``create_graph=True``) that saved unsharded parameters.
+
+        Until a later backward consumes that graph, the parameters stay allocated, and
+        every gradient that lands on them starts the root drain even when no unit's
+        output-gradient hook runs (a gradient penalty's graph reaches the parameters
+        directly): each unsharded parameter that requires grad gets a hook, removed again
+        in :meth:`leave_graph_mode`. Only this rare path pays for the hooks.
+        """
+        self.graph_live = True
+        for state in self.states:
+            if state.group is None:
+                continue
+            for p in state.group.params:
+                param = p.unsharded_param
+                if param is not None and param.requires_grad:
+                    self._graph_hooks.append(
+                        param.register_post_accumulate_grad_hook(self._grad_in_graph)
+                    )
+
+    @property
+    def graph_holds_params(self) -> bool:
+        """A create_graph graph may still read the unsharded parameters: the backward that
+        builds it is running, or it has run and no backward has consumed it yet."""
+        return self.graph_live and (self.creates_graph or not self.in_backward)
+
+    def _grad_in_graph(self, param: torch.Tensor) -> None:
+        if not self.in_backward:
+            self.begin_backward()
+
+    def leave_graph_mode(self) -> None:
+        self.graph_live = False
+        for handle in self._graph_hooks:
+            handle.remove()
+        self._graph_hooks = []
 
     def add_reductions(self, state: FSDPState, reductions: list[Reduction]) -> None:
         self.pending_reductions.append((state, reductions))
@@ -106,10 +168,25 @@ class RootContext:
             state, reductions = pending.pop(0)
             finish_reductions(state, reductions, self.comm)
 
+    def wait_reductions(self, keep: int) -> list[tuple[FSDPState, list[Reduction]]]:
+        """Take the oldest pending reductions until ``keep`` remain, their collectives
+        complete (buffers recycled); the caller finishes them with :func:`finish_reductions`."""
+        pending = self.pending_reductions
+        taken = []
+        while len(pending) > keep:
+            entry = pending.pop(0)
+            for red in entry[1]:
+                red._wait(self.comm)
+            taken.append(entry)
+        return taken
+
     def end_backward(self, is_last_backward: bool) -> None:
         self.comm.trim()
         self.in_backward = False
         self.callback_queued = False
+        if self.graph_live and not self.creates_graph:
+            self.leave_graph_mode()  # this backward consumed the graph
+        self.creates_graph = False
         # a standalone call of a list unit's module (a chunked-loss head) claims the
         # forward root without finishing it; the next forward starts fresh
         self.iter_forward_root = None
@@ -135,6 +212,8 @@ class RootContext:
         self.iter_forward_root = None
         self.in_backward = False
         self.callback_queued = False
+        self.creates_graph = False
+        self.leave_graph_mode()
         self.post_forward_order.clear()
         self.forward_order = []
         for state in self.states:

@@ -23,11 +23,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ._collectives import Comm, Handle
-from ._layout import pack_segments
+from ._layout import ShardLayout, pack_segments
 from ._mesh_info import MeshInfo
-from ._param import HSDPParam, StorageOwner
+from ._param import HSDPParam, StorageOwner, contiguous_strides, placements_for
 from ._reduction import READY, Reduction, reduce_bucket
 
 if TYPE_CHECKING:
@@ -108,10 +109,19 @@ class Bucket:
         self.pending: Handle | None = None
         self._staging: torch.Tensor | None = None
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
-        # reshard_after_forward=<int>: the smaller group, and this rank's part of the
-        # unsharded buffer kept between forward and backward
+        # reshard_after_forward=<int>: the smaller group, its layout (built at first use),
+        # and the post-forward shard while it is held between forward and backward
         self.post_forward: MeshInfo | None = None
+        self._pf: _PostForward | None = None
         self._post_forward_shard: torch.Tensor | None = None
+        self._post_forward_registered = False
+        self._staging_pf: _PostForward | None = None  # the staging holds a post-forward gather
+        self._gather_layout = (
+            self.world,
+            self.total,
+            self.segments,
+            [p.layout for p in params],
+        )
         # FSDP2-style comm objects (set_custom_all_gather / set_custom_reduce_scatter) and
         # an optional separate process group for reduce-scatters
         self.custom_all_gather = None
@@ -172,6 +182,9 @@ class Bucket:
         self.sharded_flat = flat
         self.refresh_copy_in()
         self.unsharded_flat = None
+        self._pf = None
+        self._post_forward_shard = None
+        self._post_forward_registered = False
         self.state = ShardedState.SHARDED
         self.reduce_key = None
 
@@ -185,21 +198,28 @@ class Bucket:
         return StorageOwner.FUSED_BUFFER
 
     def init_unsharded(self) -> None:
-        """Create the stable unsharded Parameters (once per sharded storage)."""
+        """Create the stable unsharded Parameters (once per sharded storage).
+
+        They outlive the pass that creates them, so they are never inference tensors, even
+        when the first forward runs under ``torch.inference_mode`` (evaluation first).
+        """
         if self.unsharded_flat is not None or self.sharded_flat is None:
             return
         owner = self.storage_owner
-        if owner is StorageOwner.SHARDED_STORAGE:
-            base, scale = self.sharded_flat, 1
-        else:
-            base = torch.empty(self.world * self.total, dtype=self.param_dtype, device=self.device)
-            scale = self.world
-        for p, seg in zip(self.params, self.segments):
-            view = _alias(base, scale * seg.offset, p.unsharded_shape, p.unsharded_stride)
-            if p.wrap_unsharded is not None:
-                view = p.wrap_unsharded(view)
-            p.unsharded_param = nn.Parameter(view, requires_grad=p.requires_grad)
-            p.storage_owner = owner
+        with torch.inference_mode(False), torch.no_grad():
+            if owner is StorageOwner.SHARDED_STORAGE:
+                base, scale = self.sharded_flat, 1
+            else:
+                base = torch.empty(
+                    self.world * self.total, dtype=self.param_dtype, device=self.device
+                )
+                scale = self.world
+            for p, seg in zip(self.params, self.segments):
+                view = _alias(base, scale * seg.offset, p.unsharded_shape, p.unsharded_stride)
+                if p.wrap_unsharded is not None:
+                    view = p.wrap_unsharded(view)
+                p.unsharded_param = nn.Parameter(view, requires_grad=p.requires_grad)
+                p.storage_owner = owner
         self.unsharded_flat = base
         if owner is not StorageOwner.SHARDED_STORAGE:
             _free(base)
@@ -223,14 +243,19 @@ class Bucket:
             self.pending = READY
             return
         kept = self._post_forward_shard
-        if kept is not None:
-            # gather over the smaller group straight into the (param-major) buffer
+        if kept is not None:  # gather over the smaller group from the post-forward shard
             self._post_forward_shard = None
-            _alloc(flat)
-            self.pending = comm.all_gather(
-                flat, kept, self.post_forward.shard_group, unit=self.unit_fqn
-            )
-            self.pending.keepalive = kept
+            pf = self._pf
+            assert pf is not None
+            if pf.direct:  # one dim-0 member laid out alike: straight into the buffer
+                _alloc(flat)
+                out = flat[: pf.info.shard_size * pf.total]
+            else:
+                out = self._staging = comm.buffer(
+                    pf.info.shard_size * pf.total, self.param_dtype, "gather"
+                )
+                self._staging_pf = pf
+            self.pending = comm.all_gather(out, kept, pf.info.shard_group, unit=self.unit_fqn)
             return
         custom = self.custom_all_gather
         if self.storage_owner is StorageOwner.ALL_GATHER_OUTPUT and custom is None:
@@ -259,26 +284,41 @@ class Bucket:
         self.pending = None
         if self._staging is not None:
             _alloc(self.unsharded_flat)
-            self._copy_out(self._staging)
-            comm.recycle(self._staging, "gather", self.custom_all_gather)
+            pf, self._staging_pf = self._staging_pf, None
+            if pf is None:
+                self._copy_out(self._staging, self._gather_layout)
+                comm.recycle(self._staging, "gather", self.custom_all_gather)
+            else:
+                self._copy_out(self._staging, pf.gather_layout)
+                comm.recycle(self._staging, "gather")
             self._staging = None
+        if self._pf is not None:
+            _free(self._pf.flat)  # a post-forward shard gathered from (or none held)
         for p in self.params:
             p.to_unsharded()
+        self._post_forward_registered = False
         self.state = ShardedState.UNSHARDED
 
-    def _copy_out(self, staging: torch.Tensor) -> None:
-        world, flat = self.world, self.unsharded_flat
+    def _copy_out(self, staging: torch.Tensor, layout: tuple) -> None:
+        """Rank-major gather output -> the param-major unsharded buffer.
+
+        ``layout`` is ``(ranks, total, segments, shard layouts)`` of the gather: the
+        bucket's own, or its post-forward one (fewer ranks, larger slots; a member's rows
+        then fill only the front of its padded region, the rest is never visible).
+        """
+        world, total, segments, layouts = layout
+        flat = self.unsharded_flat
         assert flat is not None
-        src = staging.view(world, self.total)
+        src = staging.view(world, total)
         dim0_src, dim0_sizes, dim0_out = [], [], []
-        for p, seg in zip(self.params, self.segments):
-            region = flat[world * seg.offset : world * (seg.offset + seg.numel)]
+        bucket_world = self.world
+        for p, own, seg, lay in zip(self.params, self.segments, segments, layouts):
+            region = flat[bucket_world * own.offset : bucket_world * (own.offset + own.numel)]
             if p.shard_dim == 0:
                 dim0_sizes.append(seg.numel)
-                dim0_out.append(region.view(world, seg.numel))
+                dim0_out.append(region[: world * seg.numel].view(world, seg.numel))
                 dim0_src.append(seg)
             else:
-                lay = p.layout
                 pre = math.prod(lay.global_shape[: lay.dim])
                 post = math.prod(lay.global_shape[lay.dim + 1 :])
                 part = src[:, seg.offset : seg.offset + seg.numel]
@@ -292,24 +332,47 @@ class Bucket:
                 out.copy_(src[:, seg.offset : seg.offset + seg.numel])
 
     def reshard_post_forward(self) -> None:
-        """Reshard, keeping this rank's 1/size of the unsharded buffer for backward."""
+        """Reshard to the smaller group: keep each member's chunk over it for backward.
+
+        As in FSDP2, the members registered until backward are DTensors on the
+        post-forward mesh (``(Replicate(), Shard(d))``) whose local tensors are those
+        chunks, laid out back to back as the backward's all-gather input.
+        """
         info = self.post_forward
         if info is None or self.state is not ShardedState.UNSHARDED or not self.needs_all_gather:
             self.reshard()
             return
-        flat = self.unsharded_flat
-        assert flat is not None
-        part = flat.numel() // info.shard_size
-        kept = flat[info.shard_rank * part : (info.shard_rank + 1) * part].clone()
+        pf = self._pf
+        if pf is None:
+            pf = self._pf = _PostForward(self, info)
+        _alloc(pf.flat)
+        for p, lay, seg in zip(self.params, pf.layouts, pf.segments):
+            if lay.actual_len:
+                src = p.unsharded_param.detach().narrow(p.shard_dim, lay.offset, lay.actual_len)
+                pf.flat[seg.offset : seg.offset + lay.actual_numel].view(lay.actual_shape).copy_(
+                    src
+                )
         self.reshard()
-        self._post_forward_shard = kept
+        for p, param in zip(self.params, pf.params):
+            p.to_post_forward(param)
+        self._post_forward_registered = True
+        self._post_forward_shard = pf.flat
 
     def reshard(self) -> None:
-        self._post_forward_shard = None
+        if self._post_forward_shard is not None:  # held, never gathered from
+            self._post_forward_shard = None
+            _free(self._pf.flat)
         if self.pending is not None:  # an unshard nobody waited for (e.g. a prefetch)
             self.pending.abandon()
             self.pending = None
             self._staging = None
+            self._staging_pf = None
+            if self._pf is not None:
+                _free(self._pf.flat)
+        if self._post_forward_registered:
+            self._post_forward_registered = False
+            for p in self.params:
+                p.to_sharded()
         if self.state is ShardedState.SHARDED:
             if self.unsharded_flat is not None and self.unsharded_flat is not self.sharded_flat:
                 _free(self.unsharded_flat)
@@ -324,6 +387,49 @@ class Bucket:
     def keep_grads(self) -> None:
         for p in self.params:
             p.keep_unsharded_grad()
+
+
+class _PostForward:
+    """A bucket's post-forward shard over the smaller group (``reshard_after_forward=<int>``).
+
+    Each member's ``torch.chunk`` chunk over that group, padded to its slot, back to back
+    in ``flat`` (the backward's all-gather input); each actual chunk is the local tensor of
+    the member's post-forward DTensor. ``flat`` is allocated per forward and freed once
+    gathered from (or dropped), like the unsharded buffer; the DTensors stay valid.
+    """
+
+    def __init__(self, bucket: Bucket, info: MeshInfo) -> None:
+        size, rank = info.shard_size, info.shard_rank
+        self.info = info
+        self.layouts = [
+            ShardLayout(p.unsharded_shape, p.shard_dim, world=size, rank=rank)
+            for p in bucket.params
+        ]
+        self.segments, self.total = pack_segments([lay.padded_numel for lay in self.layouts])
+        self.gather_layout = (size, self.total, self.segments, self.layouts)
+        first = bucket.params[0]
+        self.direct = (
+            len(bucket.params) == 1
+            and first.shard_dim == 0
+            and size * self.total == bucket.world * bucket.total
+        )
+        self.params = []
+        with torch.inference_mode(False), torch.no_grad():  # persistent, as init_unsharded
+            self.flat = torch.empty(self.total, dtype=bucket.param_dtype, device=bucket.device)
+            for p, lay, seg in zip(bucket.params, self.layouts, self.segments):
+                local = _alias(
+                    self.flat, seg.offset, lay.actual_shape, contiguous_strides(lay.actual_shape)
+                )
+                dt = DTensor.from_local(
+                    local,
+                    info.mesh,
+                    placements_for(info, p.shard_dim),
+                    run_check=False,
+                    shape=torch.Size(p.unsharded_shape),
+                    stride=p.unsharded_stride,
+                )
+                self.params.append(nn.Parameter(dt, requires_grad=p.requires_grad))
+        _free(self.flat)
 
 
 class ParamGroup:
@@ -377,7 +483,9 @@ class ParamGroup:
                 else None
             )
             if self.post_forward_size is not None and b.needs_all_gather:
-                b.post_forward = post_forward_mesh_info(b.mesh_info, self.post_forward_size)
+                info = post_forward_mesh_info(b.mesh_info, self.post_forward_size)
+                if info is not b.post_forward:
+                    b.post_forward, b._pf = info, None
 
     def build_sharded(self, locals_by_param: dict[int, torch.Tensor], device: torch.device) -> None:
         """(Re)build every bucket's storage on ``device`` (meta), else where the
@@ -403,17 +511,21 @@ class ParamGroup:
     def remember_versions(self) -> None:
         """Note the sharded parameters' versions while the unsharded ones stay registered.
 
-        Parameters kept unsharded across an optimizer step (``set_reshard_after_backward
-        (False)``, an explicit ``unshard()``) would be stale; :meth:`drop_if_stale` finds out.
+        Parameters kept unsharded (or the post-forward shard) across an optimizer step
+        (``set_reshard_after_backward(False)``, an explicit ``unshard()``, a forward that no
+        backward followed) would be stale; :meth:`drop_if_stale` finds out.
         """
         # the DTensor's own version counter: in-place ops on it bump it (its local tensor's
         # counter is not bumped by DTensor's dispatch)
         self.kept_versions = tuple(p.sharded_param._version for p in self.params)
 
     def drop_if_stale(self) -> None:
-        """Reshard if a sharded parameter changed in place since :meth:`remember_versions`."""
+        """Reshard if a sharded parameter changed in place since :meth:`remember_versions`
+        while the unsharded parameters or the post-forward shard stayed held."""
         kept, self.kept_versions = self.kept_versions, None
-        if kept is None or not self.is_unsharded:
+        if kept is None:
+            return
+        if not self.is_unsharded and all(b._post_forward_shard is None for b in self.buckets):
             return
         now = tuple(p.sharded_param._version for p in self.params)
         if now != kept:
@@ -424,6 +536,8 @@ class ParamGroup:
         return any(b.pending is not None for b in self.buckets)
 
     def unshard(self, comm: Comm) -> None:
+        if self.kept_versions is not None:  # before anything (a prefetch too) reuses it
+            self.drop_if_stale()
         for b in self.buckets:
             b.start_unshard(comm)
 

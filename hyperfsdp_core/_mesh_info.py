@@ -167,25 +167,25 @@ def post_forward_mesh_info(info: MeshInfo, size: int) -> MeshInfo:
     """The group a parameter is resharded to after forward when ``reshard_after_forward=size``.
 
     Splits every shard group of ``info``'s mesh into consecutive blocks of ``size`` ranks
-    (for example the ranks of one node). Collective: every rank must call it in the
-    same order (``fully_shard`` does). Created groups are cached per topology.
+    (for example the ranks of one node), on a 2-D mesh ``(blocks, size)``. Collective:
+    every rank must call it in the same order (``fully_shard`` does). Cached per topology.
     """
     return _post_forward_infos.setdefault((info.key, size), lambda: _post_forward(info, size))
 
 
 def _post_forward(info: MeshInfo, size: int) -> MeshInfo:
     assert info.shard_mesh_dim is not None
-    ranks = info.mesh.mesh.movedim(info.shard_mesh_dim, -1).reshape(-1, info.shard_size)
-    blocks = [row[i : i + size].tolist() for row in ranks for i in range(0, info.shard_size, size)]
-    group, _ = dist.new_subgroups_by_enumeration(blocks)
-    me = dist.get_rank()
-    rank = next(block.index(me) for block in blocks if me in block)
+    # (blocks, size), as FSDP2's post-forward mesh: dim 1 holds the ranks that gather
+    # together in backward; between forward and backward the parameters are DTensors on
+    # it with (Replicate(), Shard(d))
+    ranks = info.mesh.mesh.movedim(info.shard_mesh_dim, -1).reshape(-1, size)
+    mesh = DeviceMesh(info.mesh.device_type, ranks)
     return MeshInfo(
-        mesh=info.mesh,
-        shard_group=group,
+        mesh=mesh,
+        shard_group=mesh.get_group(1),
         shard_size=size,
-        shard_rank=rank,
-        shard_mesh_dim=info.shard_mesh_dim,
+        shard_rank=mesh.get_local_rank(1),
+        shard_mesh_dim=1,
         kind=info.kind,
     )
 

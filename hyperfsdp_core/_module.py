@@ -88,10 +88,41 @@ class FSDPModule:
         """Recover after an exception in forward or backward; call on the root."""
         self._fsdp_state().reset_iter_state()
 
+    def reduce_grads(self, *, recurse: bool = True) -> None:
+        """Reduce this unit's gradients now (and its sub-units' with ``recurse``); hyperfsdp only.
+
+        The entry for pipeline schedules (RFC 8.2), like FSDP2's stage-level
+        post-backward: call it for a unit whose backward finished outside the root's
+        backward, or after micro-batches run with ``set_requires_gradient_sync(False)``.
+        Whatever gradient sync is set to, everything the units hold (gradients on the
+        unsharded parameters, sync-off accumulations) is reduce-scattered and
+        all-reduced over the whole data-parallel group, and the sharded parameters'
+        ``.grad`` hold the result when it returns; parameters are resharded per
+        ``set_reshard_after_backward``. Idempotent with the root's end-of-backward drain:
+        inside a backward, the drain does not reduce these units again; after it, or
+        called twice, nothing is reduced twice. Collective: call it on every rank.
+        """
+        from ._state import reduce_grads
+
+        reduce_grads(self._fsdp_states(recurse))
+
     # -- options ----------------------------------------------------------------------------------
+    def _tree_settings(self) -> Any:
+        """Where tree-wide settings live: the root's context after lazy init (so that a
+        call on any unit of the tree acts on the whole tree, as FSDP2's shared state
+        context does), this unit's state before it (the root's is then taken over)."""
+        state = self._fsdp_state()
+        return state.ctx if state.ctx is not None else state
+
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Whether the next backward is the last before the optimizer step (call on the root)."""
-        self._fsdp_state().is_last_backward = is_last_backward
+        """Whether the next backward is the last before the optimizer step (the whole tree).
+
+        Every backward still ends with every gradient reduced and applied and every unit
+        back to IDLE; ``False`` only keeps the forward order that backward prefetching
+        follows for the next backward (pipeline schedules: several forwards, then their
+        backwards).
+        """
+        self._tree_settings().is_last_backward = is_last_backward
 
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
@@ -151,8 +182,9 @@ class FSDPModule:
         self._fsdp_state().unshard_in_backward = unshard_in_backward
 
     def set_post_optim_event(self, event: torch.Event) -> None:
-        """Make the root's next all-gathers wait on ``event`` instead of the whole stream."""
-        self._fsdp_state().post_optim_event = event
+        """Make the root's next all-gathers wait on ``event`` instead of the whole stream
+        (the whole tree, whichever unit it is called on)."""
+        self._tree_settings().post_optim_event = event
 
     def set_all_reduce_hook(self, hook, *, stream=None) -> None:
         """Call ``hook(reduce_output)`` on each reduced gradient before it is applied.

@@ -133,6 +133,12 @@ class HSDPParam:
     def to_sharded(self) -> None:
         self._register(self.sharded_param)
 
+    def to_post_forward(self, param: nn.Parameter) -> None:
+        """Register ``param``, the DTensor on the post-forward mesh (reshard_after_forward=<int>)."""
+        if param.requires_grad != self.sharded_param.requires_grad:
+            param.requires_grad_(self.sharded_param.requires_grad)
+        self._register(param)
+
     def to_unsharded(self) -> None:
         unsharded = self.unsharded_param
         assert unsharded is not None

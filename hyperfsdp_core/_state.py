@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ._collectives import Comm
-from ._context import RootContext
+from ._context import RootContext, finish_reductions
 from ._group import ParamGroup
 from ._plugins import get_plugin_manager
 from ._stash import Stash
@@ -54,14 +54,26 @@ TRANSITIONS: dict[str, dict[TrainingState, TrainingState]] = {
         S.FORWARD: S.PRE_BACKWARD,
         S.BACKWARD: S.PRE_BACKWARD,  # outputs of a second call of the unit
         S.PRE_FORWARD: S.PRE_BACKWARD,  # list unit whose forward is still open
+        # a further backward through a graph the root drain already finished
+        # (retain_graph=True: a second loss on one forward; or the graph a create_graph
+        # backward built): re-gathers, and its gradients accumulate on the sharded ones
+        S.IDLE: S.PRE_BACKWARD,
     },
     "post_backward": {
         S.PRE_BACKWARD: S.BACKWARD,
         S.FORWARD: S.BACKWARD,  # gradients reached the inputs without an output hook
         S.PRE_FORWARD: S.BACKWARD,  # list unit called piecewise (chunked loss)
-        S.IDLE: S.BACKWARD,  # not run: only reached to reduce unused params
+        # not run in this backward: reached only to reduce unused params, or to reduce
+        # gradients that arrived without the unit's hooks (FSDPModule.reduce_grads(), the
+        # root drain after a create_graph graph reached the parameters directly)
+        S.IDLE: S.BACKWARD,
+        # post-backward already ran: FSDPModule.reduce_grads() (or the root drain after a
+        # create_graph backward) reduces what arrived or was kept since
+        S.BACKWARD: S.BACKWARD,
     },
 }
+# The root drain (and FSDPModule.reduce_grads() outside a backward) then returns every unit
+# to IDLE from whatever state it finds (``FSDPState._end_unit``).
 
 
 class RegisterPostBackward(torch.autograd.Function):
@@ -146,6 +158,8 @@ class FSDPState:
         self.backward_prefetch: list[FSDPState] | None = None
         self.max_reduce_buffers = 1
         self.force_sum_reduction = False  # reductions are always SUM here (scaled once)
+        # tree-wide settings: the root's values seed its context at lazy init; after it,
+        # FSDPModule setters write the context (RootContext.is_last_backward, ...)
         self.is_last_backward = True
         self.post_optim_event = None
         self.mp_policy = None  # set by fully_shard
@@ -160,11 +174,19 @@ class FSDPState:
         self.modules_to_run: set[nn.Module] = set()
         self.prefetched: bool = False
         self.deferred_prefetch = False  # the root's backward prefetch, see pre_backward
+        self.can_defer_prefetch = False  # the root has a trainable parameter to defer to
         self.needs_reset = False  # a list unit's modules were converted (_apply)
+        # The hooks run eagerly, outside any torch.compile'd region (a block compiled with
+        # fullgraph=True calls its module hooks outside its graph): they issue async
+        # collectives and swap the registered parameters, which dynamo cannot trace.
+        self.forward_pre_hook = torch.compiler.disable(self.pre_forward)
+        self.forward_post_hook = torch.compiler.disable(self.post_forward)
+        self.backward_pre_hook = torch.compiler.disable(self.pre_backward)
+        self.root_post_backward_hook = torch.compiler.disable(self.root_post_backward)
         for module in modules:
             module._hyperfsdp_state = self  # type: ignore[attr-defined]
-            module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
-            module.register_forward_hook(self.post_forward)
+            module.register_forward_pre_hook(self.forward_pre_hook, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self.forward_post_hook)
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -261,10 +283,11 @@ class FSDPState:
         for p in group.params:
             p.land_grad = land
         if self.is_root:
-            for p in group.params:
-                p.unsharded_param.register_post_accumulate_grad_hook(
-                    self._deferred_backward_prefetch
-                )
+            # frozen parameters accumulate nothing (and cannot take the hook)
+            trainable = [p.unsharded_param for p in group.params if p.requires_grad]
+            for param in trainable:
+                param.register_post_accumulate_grad_hook(self._deferred_backward_prefetch)
+            self.can_defer_prefetch = bool(trainable)
 
     def _deferred_backward_prefetch(self, param: torch.Tensor) -> None:
         if self.deferred_prefetch:
@@ -335,9 +358,7 @@ class FSDPState:
             self.modules_to_run.update(self.modules)
         group = self.group
         if group is not None:
-            if group.kept_versions is not None:
-                group.drop_if_stale()
-            group.unshard(self.comm)
+            group.unshard(self.comm)  # drops what it kept if an optimizer step made it stale
         if first_in_pass and not ctx.in_backward:
             self._forward_prefetch(ctx)  # overlaps the next unit's all-gather with our compute
         if group is not None:
@@ -349,7 +370,7 @@ class FSDPState:
         return self._transform_inputs(args, kwargs)
 
     def _root_pre_forward(self, ctx: RootContext, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        event, self.post_optim_event = self.post_optim_event, None
+        event, ctx.post_optim_event = ctx.post_optim_event, None
         comm = ctx.comm
         if comm.is_cpu:
             return args, kwargs
@@ -428,11 +449,18 @@ class FSDPState:
     def _complete_forward(self, ctx: RootContext) -> None:
         self._transition("forward_post")
         if self.group is not None and not ctx.in_backward:
-            raf = self.reshard_after_forward
+            # a create_graph graph still reads the unsharded parameters: keep them
+            raf = self.reshard_after_forward if not ctx.graph_holds_params else False
             if raf is True:
                 self.group.reshard()
-            elif raf:  # an int: keep a share of the unsharded parameters in a smaller group
-                self.group.reshard_post_forward()
+            else:
+                if raf:  # an int: keep a share of the unsharded parameters in a smaller group
+                    self.group.reshard_post_forward()
+                # What stays held past the forward (the root's unsharded parameters, the
+                # post-forward shard) is dropped by the next forward if an optimizer step
+                # changed the shards in between: a forward that no backward follows
+                # (no_grad, inference_mode, eval) leaves it held until then.
+                self.group.remember_versions()
             if torch.is_grad_enabled():  # a backward may follow: remember the order
                 self.post_forward_indices.append(len(ctx.post_forward_order))
                 ctx.post_forward_order.append(self)
@@ -458,11 +486,11 @@ class FSDPState:
             return output
         if isinstance(output, torch.Tensor):  # the common case, without a pytree walk
             if output.requires_grad:
-                output.register_hook(self.pre_backward)
+                output.register_hook(self.backward_pre_hook)
             return output
         leaves, _, idx = _grad_tensors(output)
         for i in idx:
-            leaves[i].register_hook(self.pre_backward)
+            leaves[i].register_hook(self.backward_pre_hook)
         return output
 
     # -- backward -----------------------------------------------------------------------------
@@ -476,7 +504,7 @@ class FSDPState:
         group = self.group
         if group is not None and self.unshard_in_backward:
             group.unshard(self.comm)
-        if self.is_root and self.backward_prefetch is None and self.group is not None:
+        if self.is_root and self.backward_prefetch is None and self.can_defer_prefetch:
             # The root's backward (loss, output head) is where activation memory peaks:
             # prefetch once its first gradient is accumulated, past that peak.
             self.deferred_prefetch = True
@@ -506,35 +534,74 @@ class FSDPState:
             ):
                 target.group.unshard(target.comm)
 
-    def post_backward(self) -> None:
-        """Reduce this unit's gradients and reshard; idempotent within one backward."""
+    def post_backward(self, force: bool = False) -> None:
+        """Reduce this unit's gradients and reshard; idempotent within one backward.
+
+        ``force`` (:func:`reduce_grads`, the root drain after a ``create_graph`` backward)
+        also reduces gradients that arrived since the unit's post-backward, or without
+        its hooks.
+        """
         state = self.training_state
-        if state is S.BACKWARD:
-            return
         group = self.group
-        if state is S.IDLE and not (group is not None and self.reduce_scatter_unused_params):
-            return
+        if not force:
+            if state is S.BACKWARD:
+                return
+            if state is S.IDLE and not (group is not None and self.reduce_scatter_unused_params):
+                return
         self._transition("post_backward")
         if group is None:
             return
         ctx = self.ctx
         assert ctx is not None
+        if ctx.graph_live and not force:
+            # a create_graph graph saved our unsharded parameters and may still add
+            # gradients to them later in this backward: the root drain reduces and reshards
+            return
+        self._reduce(ctx, reshard=not ctx.graph_holds_params)
+
+    def _reduce(self, ctx: RootContext, reshard: bool) -> None:
+        group = self.group
+        assert group is not None
+        if ctx.creates_graph:
+            self._check_grads_not_differentiable()
         # Free the unsharded parameters first (their gradients are separate tensors), so
         # they are not held while the reduce-scatter buffers are allocated.
-        if self.reshard_after_backward:
+        if reshard and self.reshard_after_backward:
             group.reshard()
         if self.requires_gradient_sync:
-            # the previous unit's reduce-scatter ran under our backward; keep at most
-            # max_reduce_buffers - 1 in flight before adding ours
-            ctx.drain_reductions(keep=self.max_reduce_buffers - 1)
+            # RFC 6.3: wait for the earlier units' reduce-scatters (at most
+            # max_reduce_buffers - 1 stay in flight), issue ours, and only then finish the
+            # earlier ones: their reducers' data-parallel all-reduces are issued after our
+            # reduce-scatter, never queued ahead of it.
+            earlier = ctx.wait_reductions(keep=self.max_reduce_buffers - 1)
             reductions = group.reduce(self.comm, include_unused=self.reduce_scatter_unused_params)
             if reductions:
                 ctx.add_reductions(self, reductions)
+            for state, reds in earlier:
+                finish_reductions(state, reds, ctx.comm)
         else:
             group.keep_grads()
 
+    def _check_grads_not_differentiable(self) -> None:
+        for p in self.group.params:
+            grad = p.unsharded_param.grad if p.unsharded_param is not None else None
+            if grad is not None and grad.requires_grad:
+                raise RuntimeError(
+                    f"hyperfsdp: backward(create_graph=True) gave parameter {p.fqn!r} (unit "
+                    f"{self.fqn or '<root>'!r}) a differentiable gradient; a sharded gradient is "
+                    "reduced across ranks, which autograd cannot differentiate, so higher-order "
+                    "gradients through parameter gradients are not supported. For a gradient "
+                    "penalty, differentiate with respect to activations instead: "
+                    "torch.autograd.grad(out, inputs, create_graph=True)"
+                )
+
     def root_post_backward(self) -> None:
-        """End-of-backward callback of the root: finish every unit, then run the phases."""
+        """End-of-backward callback of the root: finish every unit, then run the phases.
+
+        It drains unconditionally (RFC 3.1, 6.2): after every backward, whatever
+        ``set_is_last_backward`` says, every reduction launched in it has been applied
+        and every unit is back to IDLE.
+        """
         ctx = self.ctx
         assert ctx is not None
         states = ctx.states
@@ -543,30 +610,31 @@ class FSDPState:
             for state in states:
                 state._log("root_backward_enter")
         try:
+            force = ctx.graph_live  # reductions were deferred to here (see post_backward)
             for state in reversed(states):
-                state.post_backward()
-            if self.is_last_backward:
-                for name, run in ctx.finalize_runs:
-                    if logging_on:
-                        ctx.record(self.fqn, "phase", name, name)
-                    run(ctx.view)
+                state.post_backward(force)
+            ctx.run_phases()
         finally:  # even if a phase raised, the next iteration starts from IDLE
             self._end_iteration(ctx, logging_on)
 
     def _end_iteration(self, ctx: RootContext, logging_on: bool) -> None:
+        keep_unsharded = ctx.graph_holds_params
         for state in ctx.states:
             if logging_on:
                 state._log("root_backward_exit")
-            state.training_state = S.IDLE
-            state.modules_to_run.clear()
-            state.deferred_prefetch = False
-            group = state.group
-            if group is not None:
-                if state.reshard_after_backward or group.has_pending:
-                    group.reshard()  # also drops prefetched gathers nobody consumed
-                elif group.is_unsharded:
-                    group.remember_versions()  # kept: re-gathered if an optimizer steps
-        ctx.end_backward(self.is_last_backward)
+            state._end_unit(keep_unsharded)
+        ctx.end_backward(ctx.is_last_backward)
+
+    def _end_unit(self, keep_unsharded: bool = False) -> None:
+        self.training_state = S.IDLE
+        self.modules_to_run.clear()
+        self.deferred_prefetch = False
+        group = self.group
+        if group is not None:
+            if group.has_pending or (self.reshard_after_backward and not keep_unsharded):
+                group.reshard()  # also drops prefetched gathers nobody consumed
+            elif group.is_unsharded:
+                group.remember_versions()  # kept: re-gathered if an optimizer steps
 
     # -- recovery -----------------------------------------------------------------------------
     def reset_iter_state(self) -> None:
@@ -584,3 +652,25 @@ class FSDPState:
                 state.group.reshard()
                 for p in state.group.params:
                     p.clear_iteration_grads()
+
+
+def reduce_grads(states: list[FSDPState]) -> None:
+    """Reduce what ``states`` hold now (``FSDPModule.reduce_grads``); see its docstring."""
+    ctx = states[0].ctx
+    if ctx is None:  # before the first forward no unit can hold a gradient
+        return
+    saved = [(s, s.requires_gradient_sync, s.requires_all_reduce) for s in states]
+    try:
+        # the explicit request to synchronise: reduce over the whole data-parallel group
+        for s in states:
+            s.requires_gradient_sync = s.requires_all_reduce = True
+        for s in reversed(states):
+            s.post_backward(force=True)
+        ctx.run_phases()
+    finally:
+        for s, sync, all_reduce in saved:
+            s.requires_gradient_sync, s.requires_all_reduce = sync, all_reduce
+    if not ctx.in_backward:  # inside a backward, the root drain ends the iteration
+        keep_unsharded = ctx.graph_holds_params
+        for s in states:
+            s._end_unit(keep_unsharded)

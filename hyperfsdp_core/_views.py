@@ -232,8 +232,9 @@ class RootView:
 
     @property
     def is_last_backward(self) -> bool:
-        """``set_is_last_backward``: whether the optimizer step follows this backward."""
-        return self._hyperfsdp_ctx.root.is_last_backward
+        """``set_is_last_backward``: whether the optimizer step follows this backward
+        (phases run after every backward either way)."""
+        return self._hyperfsdp_ctx.is_last_backward
 
     @property
     def stash(self) -> Stash:

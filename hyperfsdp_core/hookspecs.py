@@ -234,7 +234,9 @@ def hyperfsdp_finalize_phases() -> Sequence[Phase]:
     (topologically, ties broken by name); cycles, unknown names and duplicates are
     errors and roll the registration back. ``core.reduce_scatter_drain`` always runs
     first. A root captures the order at its lazy init; each phase's ``run(root)``
-    then runs with the root's :class:`~hyperfsdp_core.plugin.RootView`.
+    then runs with the root's :class:`~hyperfsdp_core.plugin.RootView` after every
+    backward (the root drains unconditionally) and after ``reduce_grads()``: a phase acts
+    only on the work collected since its last run, and must be safe with none.
 
     :returns: a sequence of :class:`~hyperfsdp_core.plugin.Phase`.
     """

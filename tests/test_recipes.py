@@ -170,7 +170,7 @@ def post_optim_event():
         opt.step()
         opt.zero_grad()
         model.set_post_optim_event(torch.Event())  # CPU: nothing to wait on, accepted
-    return model._hyperfsdp_state.post_optim_event is not None
+    return model._hyperfsdp_state.ctx.post_optim_event is not None  # tree-wide: on the context
 
 
 def test_set_post_optim_event_accepted_on_cpu(run_ranks):
