@@ -103,8 +103,9 @@ class _AllReduces:
     def __init__(self, comm: PluginComm) -> None:
         self.comm = comm
         self.in_flight: list[tuple[Work, list[Reduction], torch.Tensor | None]] = []
-        #: Reduction.key -> summed reduce-scatter outputs not all-reduced yet
-        self.partial: dict[tuple, torch.Tensor] = {}
+        #: Reduction.key -> (the reduction holding the summed reduce-scatter outputs of
+        #: backwards with all-reduce off, its unit); held until all-reduce is on again
+        self.partial: dict[tuple, tuple[Reduction, UnitView]] = {}
 
     def launch(self, group: dist.ProcessGroup, reductions: list[Reduction]) -> None:
         if len(reductions) == 1:
@@ -128,6 +129,24 @@ class _AllReduces:
             for red in reductions:
                 red.release()
 
+    def launch_grouped(self, reductions: Sequence[Reduction]) -> None:
+        """One all-reduce per (replicate group, op, dtype, device) over ``reductions``."""
+        launch: dict[tuple, list[Reduction]] = {}
+        for red in reductions:
+            out = red.output
+            key = (red.mesh_info.replicate_group, dist.ReduceOp.SUM, out.dtype, out.device)
+            launch.setdefault(key, []).append(red)
+        for (pg, _, _, _), reds in launch.items():
+            self.launch(pg, reds)
+
+    def flush(self) -> None:
+        """All-reduce the partial sums of units whose all-reduce is on again (a backward
+        that gave them no new gradient, or ``reduce_grads()``), then release them."""
+        ready = [key for key, (_, unit) in self.partial.items() if unit.requires_all_reduce]
+        if ready:
+            self.launch_grouped([self.partial.pop(key)[0] for key in ready])
+            self.drain()
+
     def reset(self) -> None:
         for work, _, _ in self.in_flight:
             work.abandon()  # recovering from a failed iteration: the result is dropped
@@ -147,24 +166,20 @@ def hyperfsdp_gradient_reducers(unit: UnitView):
         root = unit.root
         assert root is not None
         queue = root.stash.setdefault(_QUEUE, lambda: _AllReduces(root.comm))
-        launch: dict[tuple, list[Reduction]] = {}
+        launch = []
         for red in reductions:
-            info = red.mesh_info
-            if info.replicate_size <= 1:
+            if red.mesh_info.replicate_size <= 1:
                 continue
-            partial = queue.partial.pop(red.key, None)
-            if partial is not None:
-                red.output.add_(partial)
-            if not unit.requires_all_reduce:  # accumulate reduce-scatter results only
-                queue.partial[red.key] = red.consume()
-                continue
-            red.defer()
-            out = red.output
-            launch.setdefault(
-                (info.replicate_group, dist.ReduceOp.SUM, out.dtype, out.device), []
-            ).append(red)
-        for (pg, _, _, _), reds in launch.items():
-            queue.launch(pg, reds)
+            held = queue.partial.pop(red.key, None)
+            if held is not None:  # earlier backwards' sums join this one; that one never lands
+                red.output.add_(held[0].consume())
+                held[0].release()
+            red.defer()  # released by the dp.all_reduce phase once all-reduced
+            if unit.requires_all_reduce:
+                launch.append(red)
+            else:  # accumulate reduce-scatter results only
+                queue.partial[red.key] = (red, unit)
+        queue.launch_grouped(launch)
 
     return reduce
 
@@ -173,6 +188,7 @@ def _drain(root: RootView) -> None:
     queue = root.stash.get(_QUEUE, None)
     if queue is not None:
         queue.drain()
+        queue.flush()
 
 
 @hookimpl

@@ -280,3 +280,46 @@ def test_hsdp_with_mixed_precision(run_ranks):
         assert ar_dtypes == ["torch.float32"] * 3 and masters == {"torch.float32"}
         for name, g in grads.items():  # both replicas hold the same all-reduced gradient
             torch.testing.assert_close(g, results[0][2][name], msg=name)
+
+
+def flush_partial_sums(last_backward_syncs):
+    """Micro-batches with all-reduce off leave reduce-scatter sums held; they are
+    all-reduced once all-reduce is on again: by the next backward, or by reduce_grads()
+    when no backward follows (a pipeline schedule's explicit reduce)."""
+    model = build()
+    ref = copy.deepcopy(model)
+    shard(model, mesh_for((2, 2)), norms)
+    world = dist.get_world_size()
+    model.set_requires_all_reduce(False)
+    counts = []
+    for i in range(3):
+        x, y = token_batch(i, 2 * world, 5, VOCAB)
+        last = i == 2
+        if last and last_backward_syncs:
+            model.set_requires_all_reduce(True)
+        with Count() as c:
+            lm_loss(model(local_slice(x)), local_slice(y)).backward()
+        counts.append(sum(1 for k, *_ in c.calls if k == "ar"))
+        lm_loss(ref(x), y).backward()
+    pending = {n for n, p in model.named_parameters() if p.grad is None}
+    with Count() as c:
+        model.reduce_grads()
+    counts.append(sum(1 for k, *_ in c.calls if k == "ar"))
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=n, atol=1e-5, rtol=1e-4)
+    return counts, sorted(pending)
+
+
+@pytest.mark.parametrize("last_backward_syncs", [True, False])
+def test_partial_sums_are_flushed_when_all_reduce_is_back_on(run_ranks, last_backward_syncs):
+    for counts, pending in run_ranks(4, flush_partial_sums, last_backward_syncs, timeout=120):
+        if last_backward_syncs:
+            # the last backward all-reduces, per unit, the HSDP bucket over the replicate
+            # group and the replicated norms over all 4 ranks; nothing is left after
+            assert counts == [0, 0, 6, 0]
+            assert pending == []
+        else:
+            # until reduce_grads() every gradient is held; it all-reduces the held sums of
+            # all three units at once: one all-reduce per process group
+            assert counts == [0, 0, 0, 2]
+            assert len(pending) == len(set(pending)) > 10
