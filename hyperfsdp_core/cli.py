@@ -52,8 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser("plugins", help="list installed plugins and the finalization order")
     p.set_defaults(func=_cmd_plugins)
-    from . import bench, demo
+    from . import _planning, bench, demo
 
+    _planning.add_parser(sub)
     demo.add_parser(sub)
     if bench.available():  # the suite ships with the source checkout, not the wheel
         bench.add_parser(sub)
