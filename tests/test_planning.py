@@ -9,7 +9,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from hyperfsdp_core import MixedPrecisionPolicy, fully_shard
 from hyperfsdp_core._planning import estimate, plan_units
 from hyperfsdp_core.cli import main
-from hyperfsdp_core.testing import run_on_ranks
 from hyperfsdp_core.testing.reference import Transformer, lm_loss, local_slice, token_batch
 
 FACTORY = "hyperfsdp_core.testing.reference:Transformer"  # vocab 37, hidden 27: uneven
