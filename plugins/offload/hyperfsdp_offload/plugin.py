@@ -4,10 +4,12 @@ Where things live for a unit sharded with ``CPUOffloadPolicy``:
 
 - **Sharded parameters** (the flat sharded storage, padding included, and the DTensors'
   local shards inside it) live on the host, pinned when the unit computes on an
-  accelerator and ``pin_memory`` is set (``hyperfsdp_sharded_storage``). The core copies
-  the storage host-to-device into the all-gather input, non-blocking on its all-gather
-  stream, casting after the copy under mixed precision; unsharded parameters stay on the
-  compute device and are freed as ``reshard_after_forward`` says.
+  accelerator and ``pin_memory`` is set (``hyperfsdp_sharded_storage``). Before each
+  all-gather the storage is copied host-to-device into the all-gather input, on the core's
+  all-gather stream (``hyperfsdp_all_gather_input``): one non-blocking copy from pinned
+  memory in the storage's dtype, then, under mixed precision, the cast on the device.
+  Unsharded parameters stay on the compute device and are freed as
+  ``reshard_after_forward`` says.
 - **Reduced gradients** land on the host (``hyperfsdp_grad_landing``). The core lands a
   reduction when its last hold is released, i.e. after every data-parallel
   (``dp.all_reduce``) and tensor-parallel (``tp.replicate_all_reduce``) reduction of it, so
@@ -25,9 +27,10 @@ Where things live for a unit sharded with ``CPUOffloadPolicy``:
 On a host without an accelerator the unit computes on the CPU: the storage already is on
 the compute device, copies are no-ops and pinning is skipped (one log line per process).
 Setting ``HYPERFSDP_OFFLOAD_SIMULATE_ASYNC=1`` there (before the root's first forward) runs
-the accelerator's gradient path with simulated asynchronous copies: each copy completes
-only when the plugin waits for it, and reads as NaN before that, so a missing wait shows
-up as wrong values in CPU tests. Written against ``hyperfsdp_core.plugin`` only.
+the accelerator's copy paths instead (the all-gather input filled by a copy, gradients
+landed through the copy engine) with simulated asynchronous gradient copies: each completes
+only when the plugin waits for it, and reads as NaN before that, so a missing wait shows up
+as wrong values in CPU tests. Written against ``hyperfsdp_core.plugin`` only.
 """
 
 from __future__ import annotations
@@ -90,6 +93,43 @@ def hyperfsdp_sharded_storage(unit: UnitSpec) -> ShardedStorage | None:
     if policy.pin_memory and not pin:
         _notice_no_pinning(device)
     return ShardedStorage(HOST, pin_memory=pin)
+
+
+def _simulating(unit: UnitView) -> bool:
+    return unit.device.type == "cpu" and bool(os.environ.get(SIMULATE_ENV))
+
+
+def _copies_needed(unit: UnitView) -> bool:
+    """The unit is offloaded and computes elsewhere (or simulates doing so)."""
+    if not isinstance(unit.offload_policy, CPUOffloadPolicy) or not unit.params:
+        return False
+    return unit.device.type != "cpu" or _simulating(unit)
+
+
+# -- host-to-device copies before the all-gather ------------------------------------------------------
+
+
+def _host_to_device(sharded: torch.Tensor, dest: torch.Tensor) -> None:
+    """Fill the all-gather input ``dest`` (compute device, compute dtype) from the host
+    storage. Runs on the all-gather stream: the copy overlaps the current compute.
+
+    The copy moves the storage's own dtype, asynchronously from pinned memory; a cast
+    follows on the device. (A single cross-device ``copy_`` that also casts may convert on
+    the host first, depending on the torch version: a synchronous pass over host memory.)
+    The staging buffer is allocated on the all-gather stream, so the caching allocator
+    hands its memory only to later work of that stream once it is freed.
+    """
+    if sharded.dtype == dest.dtype:
+        dest.copy_(sharded, non_blocking=True)
+        return
+    staged = torch.empty(sharded.shape, dtype=sharded.dtype, device=dest.device)
+    staged.copy_(sharded, non_blocking=True)
+    dest.copy_(staged)
+
+
+@hookimpl
+def hyperfsdp_all_gather_input(unit: UnitView):
+    return _host_to_device if _copies_needed(unit) else None
 
 
 # -- device-to-host gradient copies ------------------------------------------------------------------
@@ -194,16 +234,15 @@ def _copies_of(root: RootView, device: torch.device, simulate: bool):
 @hookimpl
 def hyperfsdp_grad_landing(unit: UnitView):
     policy = unit.offload_policy
-    if not isinstance(policy, CPUOffloadPolicy) or not unit.params:
+    if not isinstance(policy, CPUOffloadPolicy):
         return None
     for p in unit.params:
         p.stash[_OFFLOADED] = True
-    simulate = unit.device.type == "cpu" and bool(os.environ.get(SIMULATE_ENV))
-    if unit.device.type == "cpu" and not simulate:
+    if not _copies_needed(unit):
         return None  # the gradient already is on the host: nothing to copy
     root = unit.root
     assert root is not None, "grad landing is resolved at the root's lazy init"
-    copies = _copies_of(root, unit.device, simulate)
+    copies = _copies_of(root, unit.device, _simulating(unit))
     asynchronous = policy.pin_memory  # pageable memory cannot be copied asynchronously
 
     def land(param: ParamView, shard: torch.Tensor) -> torch.Tensor:
