@@ -150,8 +150,8 @@ class _DeviceToHost:
         self.device = device
         self._module = torch.get_device_module(device)
         self.stream = self._module.Stream(device=device)
-        #: (event, device tensor the copy reads), oldest first: one stream, so in order
-        self.pending: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
+        #: (event, device tensors the copy stream reads), oldest first: one stream, in order
+        self.pending: collections.deque[tuple[Any, tuple]] = collections.deque()
 
     def copy_async(self, shard: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         self._trim()
@@ -161,7 +161,7 @@ class _DeviceToHost:
             host = torch.empty(src.shape, dtype=dtype, device=HOST, pin_memory=True)
             host.copy_(src, non_blocking=True)
             event = self.stream.record_event()
-        self.pending.append((event, src))
+        self.pending.append((event, (shard, src)))  # the cast reads shard on this stream too
         return host
 
     def copy_now(self, shard: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -216,7 +216,7 @@ class _SimulatedDeviceToHost:
             host.copy_(src)
 
     def reset(self) -> None:
-        self.pending = []
+        self.wait()  # as on a device: copies already issued complete
 
 
 _COPIES = StashKey[Any]("offload.device_to_host")
