@@ -277,15 +277,10 @@ def hyperfsdp_finalize_phases():
     ]
 
 
-# -- state dict and inspection ---------------------------------------------------------------------
-
-
-@hookimpl
-def hyperfsdp_state_dict_pre_save(unit: UnitView) -> None:
-    # Nothing the state dict reads may still be in flight.
-    root = unit.root
-    if root is not None:
-        _grads_to_host(root)
+# -- inspection -------------------------------------------------------------------------------------
+# State dicts need no hook: parameters are written on the host only (by the optimizer and
+# by loading), never by an asynchronous copy; the core rebuilds the storage where
+# hyperfsdp_sharded_storage says after load_state_dict, module.to() and to_empty().
 
 
 @hookimpl
