@@ -133,6 +133,16 @@ SMOKE = textwrap.dedent(
         return step(nn.Sequential(nn.Linear(8, 7), nn.ReLU(), nn.Linear(7, 3)), mesh)
 
 
+    def offload():
+        from hyperfsdp_core import CPUOffloadPolicy
+
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 7), nn.ReLU(), nn.Linear(7, 3))
+        kinds = step(model, None, offload_policy=CPUOffloadPolicy())
+        assert {p.grad.to_local().device.type for p in model.parameters()} == {"cpu"}
+        return kinds
+
+
     def rank_main():
         pm = get_plugin_manager()
         names = [n for n, _ in pm.list_name_plugin() if not n.startswith("hyperfsdp.")]

@@ -1,0 +1,1 @@
+"""CPU offload for hyperfsdp (entry point ``offload``)."""
