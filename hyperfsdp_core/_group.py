@@ -70,8 +70,9 @@ def _standalone(view: torch.Tensor) -> torch.Tensor:
 
 
 def _copy_in(src: torch.Tensor, dest: torch.Tensor) -> None:
-    """The default all-gather input: the sharded storage, cast and/or moved."""
-    dest.copy_(src, non_blocking=True)
+    """The default all-gather input: the sharded storage, cast and/or moved (a plain copy;
+    the offload plugin overlaps its host-to-device copies itself)."""
+    dest.copy_(src)
 
 
 def _alias(base: torch.Tensor, offset: int, shape: tuple[int, ...], stride) -> torch.Tensor:

@@ -211,7 +211,7 @@ def hyperfsdp_grad_landing(
 
     The core's implementation runs last: when the unit's sharded storage is on
     another device than its compute device, it copies each shard there
-    (non-blocking from/to pinned memory); otherwise it returns ``None``.
+    (a blocking copy); otherwise it returns ``None``.
 
     :param unit: the unit.
     :returns: ``land(param, shard) -> tensor``: given a parameter and its reduced

@@ -78,7 +78,9 @@ def _to_storage(param: ParamView, shard: torch.Tensor) -> torch.Tensor:
     device = param.sharded_param.device
     if shard.device == device:
         return shard
-    return shard.to(device, non_blocking=True)
+    # blocking: the core casts or adds the result at once (asynchronous copies need a plugin
+    # that waits for them, as the offload plugin does)
+    return shard.to(device)
 
 
 @hookimpl(trylast=True)
