@@ -202,7 +202,7 @@ def assert_params_close(model: nn.Module, ref: nn.Module, atol=1e-5, rtol=1e-4) 
     for name, p in model.named_parameters():
         torch.testing.assert_close(
             full(p.detach()).float(),
-            ref_params[name].detach().float(),
+            full(ref_params[name].detach()).float(),
             atol=atol,
             rtol=rtol,
             msg=lambda m, n=name: f"{n}: {m}",
