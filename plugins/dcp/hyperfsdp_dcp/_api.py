@@ -38,10 +38,11 @@ def save_checkpoint(
     world = dist.get_world_size(process_group) if dist.is_initialized() else 1
 
     def build() -> dict[str, Any]:
-        out = state.collect()
+        me = rank_key(process_group)
+        out = state.collect(me)
         out[TRAINER] = trainer_section(step, world)
         if save_rng:
-            out[RNG] = {rank_key(process_group): rng_state()}
+            out[RNG] = {me: rng_state()}
         return out
 
     final = Path(path)
@@ -88,7 +89,7 @@ def validate_checkpoint(
     """
     metadata = _io.read_metadata(Path(path))
     state = TrainState(model, optimizer, stateful, options)
-    target, fresh = state.template()
+    target, fresh, _ = state.template(list(metadata.state_dict_metadata), rank_key(None))
     try:
         return find_mismatches(flatten(target), metadata, target.keys())
     finally:

@@ -262,7 +262,9 @@ def load(
         raise CheckpointLoadError(f"cannot load {path} ({_failures_text(failures)})") from error
     assert metadata is not None
 
-    target, fresh = state.template()
+    stored = metadata.state_dict_metadata
+    me = rank_key(group)
+    target, fresh, chosen = state.template(list(stored), me)
     mismatches = find_mismatches(flatten(target), metadata, target.keys())
     failures = agree(CheckpointMismatchError(str(path), mismatches) if mismatches else None, group)
     if failures:
@@ -272,21 +274,20 @@ def load(
             raise CheckpointMismatchError(str(path), mismatches)
         raise CheckpointLoadError(f"cannot load {path} ({_failures_text(failures)})")
 
-    stored = metadata.state_dict_metadata
     trainer = {k.split(".", 1)[1]: None for k in stored if k.startswith(TRAINER + ".")}
     if trainer:
         target[TRAINER] = trainer
-    rng_prefix = f"{RNG}.{rank_key(group)}."
+    rng_prefix = f"{RNG}.{me}."
     rng = {k[len(rng_prefix) :]: None for k in stored if k.startswith(rng_prefix)}
     if restore_rng and rng:
-        target[RNG] = {rank_key(group): rng}
+        target[RNG] = {me: rng}
     dcp.load(target, storage_reader=dcp.FileSystemReader(path), process_group=group)
-    state.restore(target)
+    state.restore(target, chosen)
     info = dict(target.get(TRAINER, {}))
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if restore_rng:
         if RNG in target and info.get("world_size") == world:
-            set_rng_state(target[RNG][rank_key(group)])
+            set_rng_state(target[RNG][me])
         elif info:
             warnings.warn(
                 f"hyperfsdp-dcp: {path} was saved by {info.get('world_size')} ranks and is "

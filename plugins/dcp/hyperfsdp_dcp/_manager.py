@@ -81,6 +81,7 @@ class CheckpointManager:
         self.save_rng = save_rng
         self.group = process_group
         self.async_save = async_save
+        self.timeout = timeout
         self._async_group: dist.ProcessGroup | None = None
         if async_save and dist.is_initialized():
             # Background writes must not share a process group with training collectives.
@@ -122,10 +123,11 @@ class CheckpointManager:
         world = dist.get_world_size(self.group) if dist.is_initialized() else 1
 
         def build() -> dict[str, Any]:
-            state = self.state.collect()
+            me = rank_key(self.group)
+            state = self.state.collect(me)
             state[TRAINER] = trainer_section(step, world)
             if self.save_rng:
-                state[RNG] = {rank_key(self.group): rng_state()}
+                state[RNG] = {me: rng_state()}
             return state
 
         pending, state = _io.begin_save(self.path(step), build, self.group)
@@ -205,6 +207,14 @@ class CheckpointManager:
     ) -> None:
         if exc_type is None:
             self.close()
-        elif self._async_group is not None:
-            # A failing loop must not block on collectives its peers may never reach.
-            self._pending = None
+            return
+        # The loop failed: its peers may never reach another collective, so nothing is
+        # committed. An async write in flight is let finish locally (bounded by the
+        # timeout) so that no thread keeps writing; it stays a partial directory, which
+        # resume() ignores and the next save removes.
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.future is not None:
+            try:
+                pending.future.result(timeout=self.timeout.total_seconds())
+            except Exception:
+                pass

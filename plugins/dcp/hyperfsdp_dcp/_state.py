@@ -6,7 +6,8 @@ keys are sections:
 - ``model``: ``get_state_dict(model, ...)[0]``, keyed by parameter and buffer FQN (sharded
   parameters are DTensors: DCP stores each rank's actual rows, never padding);
 - ``optim``: ``get_state_dict(model, optimizers)[1]`` (state keyed by parameter FQN);
-- one section per extra stateful object (LR scheduler, data loader...), its ``state_dict()``;
+- one section per extra stateful object (LR scheduler, data loader...): its ``state_dict()``,
+  serialized whole, one item per rank (``<name>.rank_<r>``);
 - ``trainer``: ``{"step", "world_size", "format"}`` (written by hyperfsdp-dcp);
 - ``rng``: one entry per rank, ``rank_<r>``, with that rank's RNG states.
 
@@ -16,6 +17,7 @@ the same layout, which is what lets checkpoints move between FSDP2 and hyperfsdp
 
 from __future__ import annotations
 
+import io
 import random
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -75,7 +77,14 @@ def check_stateful(stateful: Mapping[str, Any] | None) -> dict[str, Stateful]:
 
 
 class TrainState:
-    """The model, its optimizers and extra stateful objects, as one checkpointable unit."""
+    """The model, its optimizers and extra stateful objects, as one checkpointable unit.
+
+    The model and optimizers go to DCP as sharded state dicts. A stateful object's
+    ``state_dict()`` is stored whole, as one opaque item per rank (``<name>.rank_<r>``):
+    DCP would otherwise flatten it, turn integer keys into strings on load (a
+    ``MultiStepLR``'s milestones) and keep only one rank's copy of per-rank state (a data
+    loader's position).
+    """
 
     def __init__(
         self,
@@ -89,26 +98,40 @@ class TrainState:
         self.stateful = check_stateful(stateful)
         self.options = options or StateDictOptions()
 
-    def collect(self) -> dict[str, Any]:
-        """The sections to save (model, optim, stateful objects); tensors are not copied."""
+    def collect(self, rank: str) -> dict[str, Any]:
+        """The sections to save; model and optimizer tensors are not copied."""
         msd, osd = get_state_dict(self.model, self.optimizers, options=self.options)
         out: dict[str, Any] = {MODEL: msd}
         if self.optimizers:
             out[OPTIM] = osd
         for name, obj in self.stateful.items():
-            out[name] = obj.state_dict()
+            buffer = io.BytesIO()
+            torch.save(obj.state_dict(), buffer)
+            out[name] = {rank: buffer.getvalue()}
         return out
 
-    def template(self) -> tuple[dict[str, Any], list[torch.optim.Optimizer]]:
-        """``collect()`` for loading into, and the optimizers whose state it initialized.
-
-        ``get_state_dict`` initializes an optimizer that has no state yet (a zero step
-        with lr=0); the caller clears those again if the load is abandoned.
-        """
+    def template(
+        self, stored: Sequence[str], rank: str
+    ) -> tuple[dict[str, Any], list[torch.optim.Optimizer], dict[str, str]]:
+        """What to load into: the model and optimizer state dicts (tensors alias the live
+        ones) and a placeholder per stateful object; also the optimizers whose state this
+        initialized (``get_state_dict`` gives a stateless optimizer zero state, which the
+        caller clears again if the load is abandoned), and which rank's copy each stateful
+        object reads (its own, else rank 0's: the world size changed)."""
         fresh = [opt for opt in self.optimizers if not opt.state]
-        return self.collect(), fresh
+        msd, osd = get_state_dict(self.model, self.optimizers, options=self.options)
+        out: dict[str, Any] = {MODEL: msd}
+        if self.optimizers:
+            out[OPTIM] = osd
+        chosen = {}
+        keys = set(stored)
+        for name in self.stateful:
+            key = rank if f"{name}.{rank}" in keys else "rank_0"
+            chosen[name] = key
+            out[name] = {key: None}
+        return out, fresh, chosen
 
-    def restore(self, loaded: Mapping[str, Any]) -> None:
+    def restore(self, loaded: Mapping[str, Any], chosen: Mapping[str, str]) -> None:
         """Apply loaded sections: model and optimizers through ``set_state_dict``."""
         if self.optimizers:
             set_state_dict(
@@ -121,7 +144,8 @@ class TrainState:
         else:
             set_model_state_dict(self.model, loaded[MODEL], options=self.options)
         for name, obj in self.stateful.items():
-            obj.load_state_dict(loaded[name])
+            blob = loaded[name][chosen[name]]
+            obj.load_state_dict(torch.load(io.BytesIO(blob), weights_only=False))
 
 
 # -- the trainer section and RNG states --------------------------------------------------------
