@@ -21,6 +21,7 @@ from typing import Any
 import attrs
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ._state import RNG, TRAINER, TrainState, flatten, rank_key, set_rng_state
@@ -92,12 +93,28 @@ def _rank(group: dist.ProcessGroup | None) -> int:
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 
+#: What a local step may raise and still be reported to the other ranks (DCP's
+#: CheckpointException is a BaseException).
+FAILURES = (Exception, CheckpointException)
+
+
+def error_text(error: BaseException) -> str:
+    """One line per failure; DCP's CheckpointException is unpacked into its ranks' errors."""
+    if isinstance(error, CheckpointException):
+        parts = []
+        for rank, wrapped in sorted(error.failures.items()):
+            exc = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+            parts.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+        return "DCP reported " + "; ".join(parts)
+    return f"{type(error).__name__}: {error}"
+
+
 def agree(error: BaseException | None, group: dist.ProcessGroup | None) -> list[tuple[int, str]]:
     """Every rank's outcome of a local step, gathered on every rank: ``[(rank, error)]``.
 
     Also a barrier. Runs on ``group`` (whose timeout bounds it).
     """
-    mine = None if error is None else f"{type(error).__name__}: {error}"
+    mine = None if error is None else error_text(error)
     if not dist.is_initialized():
         return [] if mine is None else [(0, mine)]
     outcomes: list[Any] = [None] * dist.get_world_size(group)
@@ -106,7 +123,14 @@ def agree(error: BaseException | None, group: dist.ProcessGroup | None) -> list[
 
 
 def _failures_text(failures: list[tuple[int, str]]) -> str:
-    return "; ".join(f"rank {r}: {e}" for r, e in failures)
+    """``rank 1: OSError: ...``; ranks that report the same error are named together."""
+    by_text: dict[str, list[int]] = {}
+    for rank, text in failures:
+        by_text.setdefault(text, []).append(rank)
+    return "; ".join(
+        f"{'rank' if len(r) == 1 else 'ranks'} {', '.join(map(str, r))}: {t}"
+        for t, r in by_text.items()
+    )
 
 
 def _on_coordinator(
@@ -160,7 +184,12 @@ def begin_save(
     return pending, state
 
 
-def write(pending: PendingSave, state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
+def write(
+    pending: PendingSave,
+    state: dict[str, Any],
+    group: dist.ProcessGroup | None,
+    housekeeping: Callable[[], None] | None = None,
+) -> None:
     """Synchronous DCP save into the partial directory, then the commit."""
     error: BaseException | None = None
     try:
@@ -169,9 +198,9 @@ def write(pending: PendingSave, state: dict[str, Any], group: dist.ProcessGroup 
             storage_writer=dcp.FileSystemWriter(pending.partial),
             process_group=group,
         )
-    except Exception as exc:
+    except FAILURES as exc:
         error = exc
-    commit(pending, error, group)
+    commit(pending, error, group, housekeeping)
 
 
 def write_async(
@@ -189,21 +218,32 @@ def write_async(
     pending.future = getattr(response, "upload_completion", response)
 
 
-def finish_async(pending: PendingSave, group: dist.ProcessGroup | None) -> None:
+def finish_async(
+    pending: PendingSave,
+    group: dist.ProcessGroup | None,
+    housekeeping: Callable[[], None] | None = None,
+) -> None:
     """Wait for an async save on this rank, then commit it (or clean it up) on all ranks."""
     error: BaseException | None = None
     assert pending.future is not None
     try:
         pending.future.result()
-    except Exception as exc:
+    except FAILURES as exc:
         error = exc
-    commit(pending, error, group)
+    commit(pending, error, group, housekeeping)
 
 
 def commit(
-    pending: PendingSave, error: BaseException | None, group: dist.ProcessGroup | None
+    pending: PendingSave,
+    error: BaseException | None,
+    group: dist.ProcessGroup | None,
+    housekeeping: Callable[[], None] | None = None,
 ) -> None:
-    """Make a written checkpoint visible under its final name, once all ranks succeeded."""
+    """Make a written checkpoint visible under its final name, once all ranks succeeded.
+
+    ``housekeeping`` (deleting old checkpoints) runs on the coordinator right after the
+    rename; every rank returns after it.
+    """
     failures = agree(error, group)
     if failures:
         _on_coordinator(group, lambda: shutil.rmtree(pending.partial, ignore_errors=True))
@@ -224,6 +264,8 @@ def commit(
         os.replace(pending.partial, pending.final)
         if old.exists():
             shutil.rmtree(old, ignore_errors=True)
+        if housekeeping is not None:
+            housekeeping()
 
     failures = agree(_on_coordinator(group, rename), group)
     if failures:

@@ -134,29 +134,30 @@ class CheckpointManager:
         if self.async_save and self._async_group is not None:
             try:
                 _io.write_async(pending, state, self.group, self._async_group)
-            except Exception as exc:
+            except _io.FAILURES as exc:
                 _io.commit(pending, exc, self.group)  # raises on every rank
             self._pending = pending
             return
-        _io.write(pending, state, self.group)
-        self._prune()
+        _io.write(pending, state, self.group, self._prune)
 
     def wait(self) -> Path | None:
         """Wait for the async save in flight, if any, and commit it; returns its path."""
         pending, self._pending = self._pending, None
         if pending is None:
             return None
-        _io.finish_async(pending, self.group)
-        self._prune()
+        _io.finish_async(pending, self.group, self._prune)
         return pending.final
 
     def _prune(self) -> None:
-        if self.keep_last is None or (dist.is_initialized() and dist.get_rank(self.group) != 0):
-            return
+        """After a commit, on the coordinator: delete checkpoints beyond ``keep_last`` and the
+        partial directories failed or killed saves left (never an incomplete ``step-N``
+        directory: this manager does not write those, so it does not delete them)."""
         listing = _io.list_checkpoints(self.root)
-        doomed = [listing.complete[s] for s in listing.steps[: -self.keep_last]]
+        doomed = []
+        if self.keep_last is not None:
+            doomed += [listing.complete[s] for s in listing.steps[: -self.keep_last]]
         in_flight = self._pending.partial if self._pending is not None else None
-        doomed += [p for p, _ in listing.ignored if p != in_flight]
+        doomed += [p for p, _ in listing.ignored if _io.PARTIAL_RE.match(p.name) and p != in_flight]
         for path in doomed:
             try:
                 shutil.rmtree(path)
@@ -216,5 +217,5 @@ class CheckpointManager:
         if pending is not None and pending.future is not None:
             try:
                 pending.future.result(timeout=self.timeout.total_seconds())
-            except Exception:
+            except (*_io.FAILURES, TimeoutError):
                 pass
