@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -107,13 +108,20 @@ def _ranks_of(metadata: Metadata) -> dict[str, Counter]:
     return out
 
 
+def _load_local(state: dict[str, Any], path: Path) -> None:
+    """``dcp.load`` in this process alone (DCP warns about that even when asked to)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+
+
 def read_trainer(path: Path, metadata: Metadata) -> dict[str, Any]:
     keys = [k for k in metadata.state_dict_metadata if k.startswith(TRAINER + ".")]
     if not keys:
         return {}
     section = {k.split(".", 1)[1]: None for k in keys}
     state = {TRAINER: section}
-    dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    _load_local(state, path)
     return dict(state[TRAINER])
 
 
@@ -270,7 +278,7 @@ def export_checkpoint(
     ) as bar:
         for batch in _batches(chosen, batch_bytes):
             state = {t.key: torch.empty(t.shape, dtype=t.dtype) for t in batch}
-            dcp.load(state, storage_reader=dcp.FileSystemReader(info.path), no_dist=True)
+            _load_local(state, info.path)
             for t in batch:
                 full[t.key[len(lead) :]] = state[t.key]
             bar.update(sum(t.nbytes for t in batch))
