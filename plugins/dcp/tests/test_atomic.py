@@ -1,6 +1,7 @@
 """A save that fails on one rank leaves the previous checkpoint loadable; resume ignores partials."""
 
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -57,7 +58,12 @@ def failed_saves(root, async_save):
     model, opt, _, _ = trained("mlp", 2)
     flaky = _FailingState(bad_rank)
     manager = CheckpointManager(
-        root, model=model, optimizer=opt, stateful={"loader": flaky}, async_save=async_save
+        root,
+        model=model,
+        optimizer=opt,
+        stateful={"loader": flaky},
+        async_save=async_save,
+        timeout=timedelta(seconds=120),
     )
     manager.save(2)
     manager.wait()

@@ -5,6 +5,8 @@ batches through a stateful data cursor: a resume that failed to restore any of t
 model, optimizer or step, would change the losses that follow.
 """
 
+from datetime import timedelta
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -57,6 +59,7 @@ def run(root, crash_after, async_save, seed=0):
         every=EVERY,
         keep_last=KEEP,
         async_save=async_save,
+        timeout=timedelta(seconds=120),
     )
     try:
         with manager:
@@ -88,7 +91,7 @@ def run(root, crash_after, async_save, seed=0):
     }
 
 
-@pytest.mark.parametrize(("world", "async_save"), [(2, False), (2, True), (4, True)])
+@pytest.mark.parametrize(("world", "async_save"), [(2, False), (2, True)])
 def test_resume_after_crash_reproduces_uninterrupted_run(run_ranks, tmp_path, world, async_save):
     clean = run_ranks(world, run, str(tmp_path / "clean"), None, async_save)[0]
     assert clean["start"] == 0 and sorted(clean["losses"]) == list(range(1, TOTAL + 1))
