@@ -321,18 +321,19 @@ def load(
         target[TRAINER] = trainer
     rng_prefix = f"{RNG}.{me}."
     rng = {k[len(rng_prefix) :]: None for k in stored if k.startswith(rng_prefix)}
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
     if restore_rng and rng:
         target[RNG] = {me: rng}
     dcp.load(target, storage_reader=dcp.FileSystemReader(path), process_group=group)
     state.restore(target, chosen)
     info = dict(target.get(TRAINER, {}))
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
-    if restore_rng:
-        if RNG in target and info.get("world_size") == world:
+    saved_world = info.get("world_size")
+    if restore_rng and any(k.startswith(RNG + ".") for k in stored):
+        if RNG in target and saved_world == world:
             set_rng_state(target[RNG][me])
-        elif info:
+        else:
             warnings.warn(
-                f"hyperfsdp-dcp: {path} was saved by {info.get('world_size')} ranks and is "
+                f"hyperfsdp-dcp: {path} was saved by {saved_world} ranks and is "
                 f"loaded by {world}: RNG states are not restored",
                 stacklevel=3,
             )
