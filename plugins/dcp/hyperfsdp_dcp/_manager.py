@@ -6,6 +6,7 @@ import os
 import shutil
 import warnings
 from collections.abc import Mapping
+from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
@@ -214,8 +215,14 @@ class CheckpointManager:
         # timeout) so that no thread keeps writing; it stays a partial directory, which
         # resume() ignores and the next save removes.
         pending, self._pending = self._pending, None
+        finished = True
         if pending is not None and pending.future is not None:
             try:
                 pending.future.result(timeout=self.timeout.total_seconds())
-            except (*_io.FAILURES, TimeoutError):
+            except FutureTimeout:  # TimeoutError on 3.11+, its own class on 3.10
+                finished = False
+            except _io.FAILURES:
                 pass
+        if finished and self._async_group is not None:
+            dist.destroy_process_group(self._async_group)
+            self._async_group = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from hyperfsdp_core import hookimpl
+from hyperfsdp_core.plugin import hookimpl
 
 #: The hyperfsdp plugin-API versions this plugin supports.
 HYPERFSDP_API = ">=1.0,<2"
