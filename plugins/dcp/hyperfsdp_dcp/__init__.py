@@ -14,11 +14,34 @@ stateful object, ``trainer`` and ``rng``; any world size and layout (FSDP, HSDP,
 torch FSDP2) loads any other.
 """
 
-from ._api import load_checkpoint, save_checkpoint, validate_checkpoint
-from ._inspect import CheckpointInfo, TensorInfo, export_checkpoint, inspect_checkpoint
-from ._io import CheckpointLoadError, CheckpointSaveError
-from ._manager import CheckpointManager
-from ._validate import CheckpointMismatchError, Mismatch
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._api import load_checkpoint, save_checkpoint, validate_checkpoint
+    from ._inspect import CheckpointInfo, TensorInfo, export_checkpoint, inspect_checkpoint
+    from ._io import CheckpointLoadError, CheckpointSaveError
+    from ._manager import CheckpointManager
+    from ._validate import CheckpointMismatchError, Mismatch
+
+# Imported on first use: the entry point imports hyperfsdp_dcp.plugin (and so this package)
+# in every process that uses hyperfsdp, and torch.distributed.checkpoint is not needed there.
+_EXPORTS = {
+    "CheckpointInfo": "._inspect",
+    "CheckpointLoadError": "._io",
+    "CheckpointManager": "._manager",
+    "CheckpointMismatchError": "._validate",
+    "CheckpointSaveError": "._io",
+    "Mismatch": "._validate",
+    "TensorInfo": "._inspect",
+    "export_checkpoint": "._inspect",
+    "inspect_checkpoint": "._inspect",
+    "load_checkpoint": "._api",
+    "save_checkpoint": "._api",
+    "validate_checkpoint": "._api",
+}
 
 __all__ = [
     "CheckpointInfo",
@@ -34,3 +57,16 @@ __all__ = [
     "save_checkpoint",
     "validate_checkpoint",
 ]
+assert sorted(_EXPORTS) == __all__
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
