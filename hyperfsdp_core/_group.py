@@ -179,6 +179,7 @@ class Bucket:
                         p.layout.actual_len,
                         p.layout.padding_numel // p.layout.row_numel,
                     ).zero_()
+            p.padded_slot = slot
             p.install_sharded(_standalone(actual))
         self.sharded_flat = flat
         self.refresh_copy_in()

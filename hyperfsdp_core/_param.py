@@ -83,6 +83,7 @@ class HSDPParam:
         # where reduced gradient shards land (hyperfsdp_grad_landing), set at lazy init
         self.land_grad: Callable[[ParamView, torch.Tensor], torch.Tensor] | None = None
         self.sharded_param: nn.Parameter = param  # replaced by the DTensor in install_sharded
+        self.padded_slot: torch.Tensor | None = None  # its slot in the bucket's flat buffer
         self.unsharded_param: nn.Parameter | None = None
         # Gradient kept across backwards with gradient sync disabled (reduce dtype).
         self.accumulated_grad: torch.Tensor | None = None

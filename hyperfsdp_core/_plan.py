@@ -109,7 +109,9 @@ class ShardingPlan(tuple[PlanRow, ...]):
 def sharding_plan(module) -> ShardingPlan:
     """Rows for every managed parameter under ``module``, FQNs relative to it."""
     named = list(module.named_parameters(remove_duplicate=False))
-    names = {id(p): n for n, p in named}
+    names: dict[int, str] = {}
+    for n, p in named:  # a tied parameter: its first alias, as named_parameters() gives
+        names.setdefault(id(p), n)
     order = {n: i for i, (n, _) in enumerate(named)}
     rows: list[PlanRow] = []
     seen: set[int] = set()

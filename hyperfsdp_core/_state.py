@@ -242,7 +242,8 @@ class FSDPState:
             self.comm if self.comm is not None and not self.comm.provisional else Comm(self.device)
         )
         ctx = RootContext(self, states, comm)
-        param_fqns = {id(p): n for n, p in root_module.named_parameters(remove_duplicate=False)}
+        # a tied parameter is named as named_parameters() names it: by its first alias
+        param_fqns = {id(p): n for n, p in root_module.named_parameters()}
         pm = get_plugin_manager()
         for state in states:
             state.ctx = ctx

@@ -134,6 +134,14 @@ class ParamView:
         """Plugins' per-parameter data, under their own :class:`StashKey`."""
         return self._hyperfsdp_param.stash
 
+    def padded_shard(self) -> torch.Tensor:
+        """A copy of this rank's communication slot (``padded_shape``): the actual shard
+        followed by its padding rows, which the core keeps zero. For checks (e.g. after a
+        checkpoint load); writing to the copy changes nothing."""
+        slot = self._hyperfsdp_param.padded_slot
+        assert slot is not None
+        return slot.detach().clone()
+
     def __repr__(self) -> str:
         p = self._hyperfsdp_param
         return f"ParamView({p.fqn!r}, {p.global_shape}, {p.mesh_info.describe()})"

@@ -233,3 +233,33 @@ def test_hook_plan_columns():
         assert lines[0].split()[-3:] == ["rows_here", "tp_replicate_axis", "padding"]
         assert lines[2].split()[-3:] == ["4", "-", "0"]  # 0.weight: 8 rows, 4 here
         assert plain_extra == () and "rows_here" not in plain_header
+
+
+def rank_padded_shard():
+    model = sharded_model()  # layer 1: 3 rows over 2 ranks -> rank 1 holds 1 row + 1 padding
+    view = model[1]._hyperfsdp_state.group.params[0].view  # the engine's own view (a test)
+    slot = view.padded_shard()
+    local = model[1].weight.to_local()
+    rows = view.local_shape[0]
+    result = {
+        "shape": tuple(slot.shape) == view.padded_shape,
+        "actual": torch.equal(slot[:rows], local),
+        "padding_zero": not slot[rows:].count_nonzero(),
+    }
+    view._hyperfsdp_param.padded_slot[rows:].fill_(7)  # corrupt the padding (engine access)
+    result["sees_corruption"] = rows == view.padded_shape[0] or bool(
+        view.padded_shard()[rows:].eq(7).all()
+    )
+    result["is_a_copy"] = view.padded_shard().data_ptr() != local.data_ptr()
+    return result
+
+
+def test_param_view_padded_shard_is_a_copy_of_the_slot():
+    for out in run_on_ranks(WORLD, rank_padded_shard, timeout=TIMEOUT):
+        assert out == {
+            "shape": True,
+            "actual": True,
+            "padding_zero": True,
+            "sees_corruption": True,
+            "is_a_copy": True,
+        }

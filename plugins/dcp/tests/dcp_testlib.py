@@ -228,10 +228,16 @@ class ResetRecorder:
 
     def __init__(self) -> None:
         self.fqns: list[str] = []
+        self.nonzero_padding: list[str] = []
 
     @hookimpl
     def hyperfsdp_param_reset(self, param) -> None:
         self.fqns.append(param.fqn)
+        padding = param.padded_shard().narrow(
+            0, param.local_shape[0], param.padded_shape[0] - param.local_shape[0]
+        )
+        if padding.count_nonzero():
+            self.nonzero_padding.append(param.fqn)
 
     def __enter__(self) -> ResetRecorder:
         get_plugin_manager().register(self, name=f"dcp-test-reset-{id(self)}")
@@ -241,9 +247,12 @@ class ResetRecorder:
         get_plugin_manager().unregister(self)
 
 
-def assert_all_reset(model: nn.Module, reset_fqns: list[str]) -> None:
-    """Every managed parameter was reset exactly once (the hook names a parameter relative to
-    its unit; a tied parameter may be named by any of its aliases)."""
+def assert_all_reset(model: nn.Module, resets: ResetRecorder) -> None:
+    """Every managed parameter was reset exactly once with zero padding (the hook names a
+    parameter relative to its unit before the first forward; a tied parameter may be named
+    by any of its aliases)."""
+    assert resets.nonzero_padding == []
+    reset_fqns = resets.fqns
     units = [name + "." for name, m in model.named_modules() if name and isinstance(m, FSDPModule)]
 
     def relative(fqn: str) -> str:

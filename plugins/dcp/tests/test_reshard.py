@@ -67,7 +67,7 @@ def load_and_continue(path, layout, expected, meta):
     with ResetRecorder() as resets:
         load_checkpoint(path, model, opt)
     assert_bitwise(full_state(model, opt), expected, "after resharded load")
-    assert_all_reset(model, resets.fqns)
+    assert_all_reset(model, resets)
 
     ref, ref_opt = reference(KIND, STEPS)
     assert_params_close(model, ref)

@@ -41,7 +41,7 @@ def round_trip(path, kind):
     assert info["step"] == 2 and info["world_size"] == dist.get_world_size()
     assert_bitwise(full_state(target, target_opt), saved, "after load")
     # the core rebuilt every managed parameter's padded storage after the load
-    assert_all_reset(target, resets.fqns)
+    assert_all_reset(target, resets)
 
     # one more step: the loaded copy, the saving model and the single-process reference agree
     loss = train_step(kind, target, target_opt, 2)
