@@ -119,15 +119,18 @@ def _chunk(full: torch.Tensor, dim: int, coord: int, size: int) -> torch.Tensor:
 
 # -- the root-tail TP all-reduce -----------------------------------------------------------------
 
+#: a TP-replicated parameter's TP group and its ranks (one all-reduce per rank set and dtype)
+_Group = tuple[dist.ProcessGroup, tuple[int, ...]]
+
 
 class TPReplicateGrads:
     """One root's reductions of TP-replicated gradients, held until the TP all-reduce phase."""
 
     def __init__(self, comm: PluginComm) -> None:
         self.comm = comm
-        self.held: list[tuple[Reduction, list[tuple[ParamView, dist.ProcessGroup]]]] = []
+        self.held: list[tuple[Reduction, list[tuple[ParamView, _Group]]]] = []
 
-    def hold(self, red: Reduction, members: list[tuple[ParamView, dist.ProcessGroup]]) -> None:
+    def hold(self, red: Reduction, members: list[tuple[ParamView, _Group]]) -> None:
         red.defer()
         self.held.append((red, members))
 
@@ -143,12 +146,11 @@ class TPReplicateGrads:
         for red, members in held:
             if red.consumed:
                 continue
-            for param, group in members:
+            for param, (group, ranks) in members:
                 grad = red.grad_of(param)
                 if grad is None or grad.numel() == 0:
                     continue
-                key = (tuple(dist.get_process_group_ranks(group)), grad.dtype, grad.device)
-                buckets.setdefault(key, (group, []))[1].append(grad)
+                buckets.setdefault((ranks, grad.dtype, grad.device), (group, []))[1].append(grad)
         works: list[tuple[Work, torch.Tensor, list[torch.Tensor]]] = []
         for group, grads in buckets.values():
             flat = grads[0] if len(grads) == 1 else torch.cat([g.reshape(-1) for g in grads])
@@ -168,11 +170,12 @@ class TPReplicateGrads:
 
 def make_reducer(unit: UnitView, key):
     """The unit's reducer: hold each reduction with TP-replicated members for the phase."""
-    members: dict[ParamView, dist.ProcessGroup] = {}
+    members: dict[ParamView, _Group] = {}
     for p in unit.params:
         dim = tp_replicate_dim(p)
         if dim is not None:
-            members[p] = p.device_mesh.get_group(dim)
+            group = p.device_mesh.get_group(dim)
+            members[p] = (group, tuple(dist.get_process_group_ranks(group)))
     if not members:
         return None
 
