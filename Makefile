@@ -13,7 +13,7 @@ DIST_DIR ?= dist
 STAMP := $(dir $(PY)).hyperfsdp-installed
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench lint dist clean
+.PHONY: install test demo bench lint dist wheels clean
 
 $(PY):
 	$(PYTHON) -m venv $(dir $(PY))..
@@ -40,8 +40,11 @@ lint: install
 	$(PY) -m ruff check .
 
 # Wheels of the core and of every plugin under plugins/ (pip install --find-links $(DIST_DIR) ...)
-dist: install
-	rm -rf $(DIST_DIR)
+dist: install wheels
+
+# the wheels alone, with the build tools already in $(PY) (tests build them in a copy)
+wheels:
+	rm -rf $(DIST_DIR) build $(addsuffix build,$(PLUGIN_DIRS))
 	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w $(DIST_DIR) . $(sort $(dir $(wildcard plugins/*/pyproject.toml)))
 
 clean:

@@ -84,6 +84,9 @@ class HSDPParam:
         self.land_grad: Callable[[ParamView, torch.Tensor], torch.Tensor] | None = None
         self.sharded_param: nn.Parameter = param  # replaced by the DTensor in install_sharded
         self.padded_slot: torch.Tensor | None = None  # its slot in the bucket's flat buffer
+        # whether sharded_param is the DTensor install_sharded made (the parameter it
+        # replaces may itself be a DTensor: a tensor-parallel one)
+        self.installed = False
         self.unsharded_param: nn.Parameter | None = None
         # Gradient kept across backwards with gradient sync disabled (reduce dtype).
         self.accumulated_grad: torch.Tensor | None = None
@@ -122,13 +125,14 @@ class HSDPParam:
             stride=self.global_stride,
         )
         new = nn.Parameter(dt, requires_grad=self.sharded_param.requires_grad)
-        if isinstance(self.sharded_param, DTensor):
+        if self.installed:
             grad = self.sharded_param.grad
             self.sharded_param.grad = None
             torch.utils.swap_tensors(self.sharded_param, new)
             self.sharded_param.grad = grad
         else:
             self.sharded_param = new
+            self.installed = True
         self.to_sharded()
 
     def to_sharded(self) -> None:

@@ -130,6 +130,13 @@ class Reduction:
     def consumed(self) -> bool:
         return self._consumed
 
+    @property
+    def holds(self) -> int:
+        """Holds not released yet (the core's while reducers run, then one per ``defer()``).
+        A plugin that must act only after every other holder is done with the reduction
+        (the TP all-reduce after the data-parallel one) acts when only its own is left."""
+        return self._holds
+
     def grad_of(self, param: ParamView) -> torch.Tensor | None:
         """``param``'s reduced shard inside ``output`` (a view of its ``local_shape``), or
         ``None`` when ``param`` is not a member or received no gradient."""

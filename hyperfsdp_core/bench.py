@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-CONFIG_CHOICES = ("even", "uneven", "bf16", "no-reshard", "hsdp", "host-overhead")
+CONFIG_CHOICES = ("even", "uneven", "bf16", "no-reshard", "hsdp", "tp", "host-overhead")
 IMPL_CHOICES = ("hyperfsdp", "fsdp2", "ddp", "floor")
 #: opt-in: hyperfsdp with its CPU communication knobs on (separate reduce-scatter group, 2 in flight)
 VARIANT_CHOICES = ("hyperfsdp-tuned",)

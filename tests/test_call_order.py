@@ -18,10 +18,11 @@ from hyperfsdp_core.plugin import FIRST_PHASE, Phase, hookimpl
 from hyperfsdp_core.testing import registered, run_on_ranks
 
 HOOKS = sorted(n for n, f in vars(hookspecs).items() if hasattr(f, "hyperfsdp_spec"))
-#: the finalization order of this repository's plugins (core, hsdp, offload, the commlog example)
+#: the finalization order of this repository's plugins (core, hsdp, tp, offload, commlog example)
 INSTALLED_ORDER = [
     "core.reduce_scatter_drain",
     "dp.all_reduce",
+    "tp.replicate_all_reduce",
     "offload.grads_to_host",
     "commlog.summary",
 ]

@@ -118,6 +118,24 @@ def dp_mesh_dims_without_plugin():
     )
 
 
+def dtensor_params_without_plugin():
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+
+    def tp_linear():
+        m = nn.Linear(2, 2)
+        for name, p in list(m.named_parameters()):
+            dt = DTensor.from_local(p.detach(), mesh["tp"], [Replicate()], run_check=False)
+            setattr(m, name, nn.Parameter(dt))
+        return m
+
+    return expect_error(
+        tp_linear,
+        lambda m: fully_shard(m, mesh=mesh["dp"]),
+        "'weight'",
+        "pip install hyperfsdp[tp]",
+    )
+
+
 CASES = {
     "scalar": (scalar_param, "ValueError"),
     "uneven_non_dim0": (uneven_non_dim0, "ValueError"),
@@ -137,6 +155,7 @@ def replicate_params_without_plugin():
 PLUGIN_CASES = {  # features that need a plugin distribution
     "offload": (offload_without_plugin, "ImportError"),
     "dp_mesh_dims": (dp_mesh_dims_without_plugin, "ImportError"),
+    "dtensor_params": (dtensor_params_without_plugin, "ImportError"),
     "two_d_mesh": (two_d_mesh_without_plugin, "ImportError"),
     "replicate_params": (replicate_params_without_plugin, "ImportError"),
 }

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 
 from hyperfsdp_core import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from hyperfsdp_core.plugin import ParamLayout, ShardedStorage, fsdp_mesh_info, hookimpl
@@ -315,6 +315,85 @@ def test_hook_param_layout():
         assert calls == [("0.weight", 0, 2), ("0.bias", 0, 2), ("1.weight", 0, 2), ("1.bias", 0, 2)]
         assert wraps == [(6, 4)]  # once, when the unsharded parameter is created
         assert unwraps == 2  # once per backward
+
+
+class DTensorLayoutPlugin:
+    """Shards parameters that are already DTensors (on a size-1 "tp" dim of a (dp, tp) mesh):
+    the TP-local tensor is sharded over "dp", the module computes with TP DTensors."""
+
+    def __init__(self, mesh) -> None:
+        self.mesh = mesh
+        self.seen: list = []
+
+    @hookimpl
+    def hyperfsdp_select_mesh_info(self, unit, fqn, param):
+        return fsdp_mesh_info(unit.mesh) if isinstance(param, DTensor) else None
+
+    @hookimpl
+    def hyperfsdp_param_layout(self, unit, fqn, param, mesh_info, shard_dim):
+        if not isinstance(param, DTensor):
+            return None
+        self.seen.append((fqn, type(param).__name__, tuple(param.placements)))
+        tp_mesh, tp_placements = param.device_mesh, param.placements
+        return ParamLayout(
+            tensor=param.to_local(),
+            mesh=self.mesh,
+            placements=(Shard(0), *tp_placements),
+            global_shape=param.shape,
+            wrap_unsharded=lambda t: DTensor.from_local(t, tp_mesh, tp_placements, run_check=False),
+            unwrap_grad=lambda g: g.to_local(),
+        )
+
+
+def rank_param_layout_dtensor_params():
+    mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("dp", "tp"))
+    model = make_model(4, 6)
+    ref = copy.deepcopy(model)
+
+    def to_dtensor(mod, args, m):
+        return tuple(DTensor.from_local(a, m, (Replicate(),), run_check=False) for a in args)
+
+    distribute_module(
+        model, mesh["tp"], input_fn=to_dtensor, output_fn=lambda mod, o, m: o.to_local()
+    )
+    before = list(model.parameters())
+    plugin = DTensorLayoutPlugin(mesh)
+    x = same_input()
+    with registered(plugin, "test_param_layout_dtensor"):
+        fully_shard(model, mesh=mesh["dp"])
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for _ in range(2):
+            model(x).sum().backward()
+            ref(x).sum().backward()
+            opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(dict(model.named_parameters())[n].full_tensor(), p, msg=n)
+    after = dict(model.named_parameters())
+    return (
+        plugin.seen,
+        {n: (p.device_mesh.mesh_dim_names, tuple(p.placements)) for n, p in after.items()},
+        any(p is q for p in before for q in after.values()),
+        [(b.device_mesh.mesh_dim_names, b.to_local().shape) for b in before],
+    )
+
+
+def test_hook_param_layout_replaces_dtensor_parameters():
+    """A layout plugin may shard parameters that are DTensors already (tensor parallelism):
+    the core registers new sharded DTensor Parameters and leaves the originals as they were."""
+    for seen, after, reused, originals in run_on_ranks(
+        WORLD, rank_param_layout_dtensor_params, timeout=TIMEOUT
+    ):
+        assert seen == [
+            ("0.weight", "DTensor", (Replicate(),)),
+            ("0.bias", "DTensor", (Replicate(),)),
+        ]
+        assert after == {
+            "0.weight": (("dp", "tp"), (Shard(0), Replicate())),
+            "0.bias": (("dp", "tp"), (Shard(0), Replicate())),
+        }
+        assert not reused
+        assert originals == [(("tp",), (6, 4)), (("tp",), (6,))]
 
 
 class HostStoragePlugin:

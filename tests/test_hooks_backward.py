@@ -357,11 +357,15 @@ def rank_reducer_holds_compose():
     first, second = ReducerPlugin(defer_prefix="0."), ReducerPlugin(defer_prefix="0.")
     with registered(first, "test_first"), registered(second, "test_second"):
         model(same_input()).sum().backward()
+    red = first.deferred[0]
+    assert red is second.deferred[0] and red.holds == 2  # the core released its own
     states = [model[0].weight.grad is None]
-    first.deferred[0].release()
+    red.release()
     states.append(model[0].weight.grad is None)
-    second.deferred[0].release()
+    assert red.holds == 1
+    red.release()
     states.append(model[0].weight.grad is None)
+    assert red.holds == 0
     torch.testing.assert_close(model[0].weight.grad.full_tensor(), expected["0.weight"])
     return states
 

@@ -17,11 +17,14 @@ CONFIGS = {
     "bf16": "bf16 compute, fp32 reduce (MixedPrecisionPolicy; DDP/floor use autocast)",
     "no-reshard": "reshard_after_forward=False, fp32",
     "hsdp": "HSDP on a (2, world/2) (replicate, shard) mesh, fp32 (hyperfsdp needs hyperfsdp-hsdp)",
+    "tp": "TP + FSDP: (world/2, 2) (dp, tp) mesh, Colwise/Rowwise + sequence parallel, FSDP over dp, fp32 (hyperfsdp needs hyperfsdp-tp)",
     "host-overhead": "64 tiny blocks (dim 32): per-unit host cost, compute negligible",
 }
-MODEL_CONFIGS = ("even", "uneven", "bf16", "no-reshard", "hsdp")
+MODEL_CONFIGS = ("even", "uneven", "bf16", "no-reshard", "hsdp", "tp")
 HOST_OVERHEAD = "host-overhead"
 HOST_OVERHEAD_IMPLS = ("hyperfsdp", "fsdp2", "floor", "hyperfsdp-tuned")
+#: tensor parallelism: the two FSDPs only (DDP and the floor have no TP counterpart here)
+TP_IMPLS = ("hyperfsdp", "fsdp2")
 
 _EVEN = {"vocab": 8192, "dim": 256, "n_heads": 4, "hidden": 704, "seq_len": 128, "batch": 4}
 _UNEVEN = {**_EVEN, "vocab": 8193, "hidden": 705}
@@ -54,10 +57,17 @@ class Case:
             precision="bf16" if self.config == "bf16" else "fp32",
             reshard_after_forward=False if self.config == "no-reshard" else None,
             hsdp=(2, self.world // 2) if self.config == "hsdp" else None,
+            tp=2 if self.config == "tp" else None,
         )
 
     def impls(self, selected: Sequence[str]) -> tuple[str, ...]:
-        allowed = HOST_OVERHEAD_IMPLS if self.is_host_overhead else ALL_IMPLS
+        allowed = (
+            HOST_OVERHEAD_IMPLS
+            if self.is_host_overhead
+            else TP_IMPLS
+            if self.config == "tp"
+            else ALL_IMPLS
+        )
         return tuple(i for i in ALL_IMPLS if i in selected and i in allowed)
 
 
@@ -68,6 +78,7 @@ QUICK = (
     Case("no-reshard", 2, 8),
     Case("even", 4, 8),
     Case("hsdp", 4, 8),
+    Case("tp", 4, 8),
     Case("even", 2, 4),
     Case("even", 2, 16),
     Case(HOST_OVERHEAD, 1, 64),
@@ -77,7 +88,8 @@ FULL = (
     *(
         Case(c, w, n)
         for c, w, n in itertools.product(MODEL_CONFIGS, (2, 4), (4, 8, 16))
-        if not (c == "hsdp" and w < 4)  # HSDP needs replicate and shard groups of 2+
+        # HSDP needs replicate and shard groups of 2+; TP + FSDP needs dp and tp of 2+
+        if not (c in ("hsdp", "tp") and w < 4)
     ),
     Case(HOST_OVERHEAD, 1, 64),
     Case(HOST_OVERHEAD, 2, 64),

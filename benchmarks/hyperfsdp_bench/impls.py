@@ -43,6 +43,9 @@ class CaseSpec:
     precision: str = "fp32"  # "fp32" or "bf16" (bf16 compute, fp32 reduce)
     reshard_after_forward: bool | None = None  # None: the FSDP default
     hsdp: tuple[int, int] | None = None  # (replicate, shard): a 2-D HSDP mesh for both FSDPs
+    #: tensor-parallel degree: a (world / tp, tp) ("dp", "tp") mesh, the model parallelized
+    #: on "tp" (Colwise/Rowwise with sequence parallelism) before FSDP over "dp"
+    tp: int | None = None
     seed: int = 1234
     lr: float = 1e-3
 
@@ -69,10 +72,24 @@ def _shard(model: nn.Module, fully_shard, mp_policy_cls, spec: CaseSpec) -> int:
         from torch.distributed.device_mesh import init_device_mesh
 
         kwargs["mesh"] = init_device_mesh("cpu", spec.hsdp, mesh_dim_names=("replicate", "shard"))
+    if spec.tp is not None:
+        import torch.distributed as dist
+        from hyperfsdp_tp.testing import parallelize
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = (dist.get_world_size() // spec.tp, spec.tp)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+        parallelize(model, mesh["tp"], "sp")
+        kwargs["mesh"] = mesh["dp"]
     for layer in model.layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     return len(model.layers) + 1
+
+
+def data_rank(spec: CaseSpec, rank: int) -> int:
+    """Which local batch a rank trains on: tensor-parallel ranks of a data-parallel rank share one."""
+    return rank // spec.tp if spec.tp is not None else rank
 
 
 def build(impl: str, spec: CaseSpec) -> Built:

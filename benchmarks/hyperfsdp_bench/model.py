@@ -43,13 +43,14 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        shape = (b, s, self.n_heads, self.head_dim)
+        b, s, _ = x.shape
+        # heads from the projection's width: under tensor parallelism a rank has n_heads / tp
+        shape = (b, s, -1, self.head_dim)
         q = self.wq(x).view(shape).transpose(1, 2)
         k = self.wk(x).view(shape).transpose(1, 2)
         v = self.wv(x).view(shape).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, s, d))
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
 class SwiGLU(nn.Module):

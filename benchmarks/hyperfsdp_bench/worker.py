@@ -96,7 +96,7 @@ class Runner:
         t0 = time.perf_counter()
         self.built = impls.build(self.impl, spec)
         counter.install()
-        self.batches = make_batches(spec.model, spec.seed, self.rank, 8)
+        self.batches = make_batches(spec.model, spec.seed, impls.data_rank(spec, self.rank), 8)
         build_s = time.perf_counter() - t0
         losses = [self._step() for _ in range(max(warmup, 1))]
         model = self.built.model
