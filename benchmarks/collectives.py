@@ -1,0 +1,124 @@
+"""Time gloo's collectives and the algorithms that can stand in for them, side by side.
+
+    python benchmarks/collectives.py [--world-size 2] [--mib 1 4 16 64] [--repeats 7]
+
+For each size (MiB of the full, unsharded tensor) it times, on CPU ranks over gloo:
+all-gather as ``all_gather_into_tensor``, as ``all_gather`` into a list of views, and
+as an all-reduce of a zero-padded buffer; reduce-scatter as ``reduce_scatter_tensor``,
+as ``reduce_scatter`` from a list, and as an all-reduce followed by taking this rank's
+slice. It also says whether each stand-in's result is bitwise equal to the native one.
+Median milliseconds over ``--repeats`` runs, slowest rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from hyperfsdp_core.testing import run_on_ranks  # noqa: E402
+
+
+def _time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    mine = torch.tensor(statistics.median(times[1:]))
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return float(mine) * 1e3
+
+
+def rank_main(mib_list, repeats):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    results = []
+    for mib in mib_list:
+        full = int(mib * 2**20 / 4) // world * world
+        shard = full // world
+        torch.manual_seed(rank)
+        inp = torch.randn(shard)
+        out = torch.empty(full)
+        views = list(out.view(world, shard))
+        zero_padded = torch.zeros(full)
+        grads = torch.randn(full)
+        rs_out = torch.empty(shard)
+
+        def ag_tensor():
+            dist.all_gather_into_tensor(out, inp)
+
+        def ag_list():
+            dist.all_gather(views, inp)
+
+        def ag_all_reduce():
+            zero_padded.zero_()
+            zero_padded[rank * shard : (rank + 1) * shard].copy_(inp)
+            dist.all_reduce(zero_padded)
+
+        work = grads.clone()
+
+        def rs_tensor():
+            dist.reduce_scatter_tensor(rs_out, grads)
+
+        def rs_list():
+            dist.reduce_scatter(rs_out, list(grads.view(world, shard)))
+
+        def rs_all_reduce():
+            work.copy_(grads)
+            dist.all_reduce(work)
+
+        row = {"mib": mib}
+        for name, fn in (
+            ("ag_tensor", ag_tensor),
+            ("ag_list", ag_list),
+            ("ag_all_reduce", ag_all_reduce),
+            ("rs_tensor", rs_tensor),
+            ("rs_list", rs_list),
+            ("rs_all_reduce", rs_all_reduce),
+        ):
+            row[name] = _time(fn, repeats)
+        ag_tensor()
+        reference = out.clone()
+        ag_all_reduce()
+        row["ag_all_reduce_exact"] = bool(torch.equal(zero_padded, reference))
+        ag_list()
+        row["ag_list_exact"] = bool(torch.equal(out, reference))
+        rs_tensor()
+        reference = rs_out.clone()
+        rs_all_reduce()
+        row["rs_all_reduce_exact"] = bool(torch.equal(work[rank * shard : (rank + 1) * shard], reference))
+        rs_list()
+        row["rs_list_exact"] = bool(torch.equal(rs_out, reference))
+        results.append(row)
+    return results
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--mib", type=float, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--repeats", type=int, default=7)
+    args = p.parse_args(argv)
+    rows = run_on_ranks(args.world_size, rank_main, args.mib, args.repeats, timeout=1800)[0]
+    cols = ("ag_tensor", "ag_list", "ag_all_reduce", "rs_tensor", "rs_list", "rs_all_reduce")
+    print(f"gloo, {args.world_size} ranks, median ms (slowest rank); '*' = not bitwise equal to the native result")
+    print(f"{'MiB':>6}  " + "  ".join(f"{c:>14}" for c in cols))
+    for row in rows:
+        cells = []
+        for c in cols:
+            exact = row.get(f"{c}_exact", True)
+            cells.append(f"{row[c]:>13.2f}{' ' if exact else '*'}")
+        print(f"{row['mib']:>6g}  " + "  ".join(cells))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
