@@ -94,7 +94,9 @@ def rank_main(mib_list, repeats):
         rs_tensor()
         reference = rs_out.clone()
         rs_all_reduce()
-        row["rs_all_reduce_exact"] = bool(torch.equal(work[rank * shard : (rank + 1) * shard], reference))
+        row["rs_all_reduce_exact"] = bool(
+            torch.equal(work[rank * shard : (rank + 1) * shard], reference)
+        )
         rs_list()
         row["rs_list_exact"] = bool(torch.equal(rs_out, reference))
         results.append(row)
@@ -102,14 +104,18 @@ def rank_main(mib_list, repeats):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--mib", type=float, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--repeats", type=int, default=7)
     args = p.parse_args(argv)
     rows = run_on_ranks(args.world_size, rank_main, args.mib, args.repeats, timeout=1800)[0]
     cols = ("ag_tensor", "ag_list", "ag_all_reduce", "rs_tensor", "rs_list", "rs_all_reduce")
-    print(f"gloo, {args.world_size} ranks, median ms (slowest rank); '*' = not bitwise equal to the native result")
+    print(
+        f"gloo, {args.world_size} ranks, median ms (slowest rank); '*' = not bitwise equal to the native result"
+    )
     print(f"{'MiB':>6}  " + "  ".join(f"{c:>14}" for c in cols))
     for row in rows:
         cells = []
