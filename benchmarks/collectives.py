@@ -20,10 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from hyperfsdp_core.testing import run_on_ranks  # noqa: E402
+from hyperfsdp_core.testing import run_on_ranks
 
 
 def _time(fn, repeats: int) -> float:
