@@ -39,68 +39,69 @@ def _time(fn, repeats: int) -> float:
 
 
 def rank_main(mib_list, repeats):
+    return [_measure(mib, repeats) for mib in mib_list]
+
+
+def _measure(mib: float, repeats: int) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
-    results = []
-    for mib in mib_list:
-        full = int(mib * 2**20 / 4) // world * world
-        shard = full // world
-        torch.manual_seed(rank)
-        inp = torch.randn(shard)
-        out = torch.empty(full)
-        views = list(out.view(world, shard))
-        zero_padded = torch.zeros(full)
-        grads = torch.randn(full)
-        rs_out = torch.empty(shard)
+    full = int(mib * 2**20 / 4) // world * world
+    shard = full // world
+    torch.manual_seed(rank)
+    inp = torch.randn(shard)
+    out = torch.empty(full)
+    views = list(out.view(world, shard))
+    zero_padded = torch.zeros(full)
+    grads = torch.randn(full)
+    rs_out = torch.empty(shard)
 
-        def ag_tensor():
-            dist.all_gather_into_tensor(out, inp)
+    def ag_tensor():
+        dist.all_gather_into_tensor(out, inp)
 
-        def ag_list():
-            dist.all_gather(views, inp)
+    def ag_list():
+        dist.all_gather(views, inp)
 
-        def ag_all_reduce():
-            zero_padded.zero_()
-            zero_padded[rank * shard : (rank + 1) * shard].copy_(inp)
-            dist.all_reduce(zero_padded)
+    def ag_all_reduce():
+        zero_padded.zero_()
+        zero_padded[rank * shard : (rank + 1) * shard].copy_(inp)
+        dist.all_reduce(zero_padded)
 
-        work = grads.clone()
+    work = grads.clone()
 
-        def rs_tensor():
-            dist.reduce_scatter_tensor(rs_out, grads)
+    def rs_tensor():
+        dist.reduce_scatter_tensor(rs_out, grads)
 
-        def rs_list():
-            dist.reduce_scatter(rs_out, list(grads.view(world, shard)))
+    def rs_list():
+        dist.reduce_scatter(rs_out, list(grads.view(world, shard)))
 
-        def rs_all_reduce():
-            work.copy_(grads)
-            dist.all_reduce(work)
+    def rs_all_reduce():
+        work.copy_(grads)
+        dist.all_reduce(work)
 
-        row = {"mib": mib}
-        for name, fn in (
-            ("ag_tensor", ag_tensor),
-            ("ag_list", ag_list),
-            ("ag_all_reduce", ag_all_reduce),
-            ("rs_tensor", rs_tensor),
-            ("rs_list", rs_list),
-            ("rs_all_reduce", rs_all_reduce),
-        ):
-            row[name] = _time(fn, repeats)
-        ag_tensor()
-        reference = out.clone()
-        ag_all_reduce()
-        row["ag_all_reduce_exact"] = bool(torch.equal(zero_padded, reference))
-        ag_list()
-        row["ag_list_exact"] = bool(torch.equal(out, reference))
-        rs_tensor()
-        reference = rs_out.clone()
-        rs_all_reduce()
-        row["rs_all_reduce_exact"] = bool(
-            torch.equal(work[rank * shard : (rank + 1) * shard], reference)
-        )
-        rs_list()
-        row["rs_list_exact"] = bool(torch.equal(rs_out, reference))
-        results.append(row)
-    return results
+    row = {"mib": mib}
+    for name, fn in (
+        ("ag_tensor", ag_tensor),
+        ("ag_list", ag_list),
+        ("ag_all_reduce", ag_all_reduce),
+        ("rs_tensor", rs_tensor),
+        ("rs_list", rs_list),
+        ("rs_all_reduce", rs_all_reduce),
+    ):
+        row[name] = _time(fn, repeats)
+    ag_tensor()
+    reference = out.clone()
+    ag_all_reduce()
+    row["ag_all_reduce_exact"] = bool(torch.equal(zero_padded, reference))
+    ag_list()
+    row["ag_list_exact"] = bool(torch.equal(out, reference))
+    rs_tensor()
+    reference = rs_out.clone()
+    rs_all_reduce()
+    row["rs_all_reduce_exact"] = bool(
+        torch.equal(work[rank * shard : (rank + 1) * shard], reference)
+    )
+    rs_list()
+    row["rs_list_exact"] = bool(torch.equal(rs_out, reference))
+    return row
 
 
 def main(argv=None) -> int:
