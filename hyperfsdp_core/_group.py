@@ -23,12 +23,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from ._buffers import alias, alloc, free, standalone
 from ._collectives import Comm, Handle
-from ._layout import ShardLayout, pack_segments
+from ._layout import pack_segments
 from ._mesh_info import MeshInfo
-from ._param import HSDPParam, StorageOwner, contiguous_strides, placements_for
+from ._param import HSDPParam, StorageOwner
+from ._post_forward import PostForward
 from ._reduction import READY, Reduction, reduce_bucket
 
 if TYPE_CHECKING:
@@ -41,49 +42,10 @@ class ShardedState(enum.Enum):
     UNSHARDED = "unsharded"
 
 
-def _free(t: torch.Tensor | None) -> None:
-    if t is not None and t.untyped_storage().size() != 0:
-        t.untyped_storage().resize_(0)
-
-
-def _alloc(t: torch.Tensor) -> None:
-    nbytes = t.numel() * t.element_size()
-    if t.untyped_storage().size() != nbytes:
-        t.untyped_storage().resize_(nbytes)
-
-
-def _standalone(view: torch.Tensor) -> torch.Tensor:
-    """The same memory as ``view``, as a tensor with its own storage starting at it.
-
-    Members' local shards live inside their bucket's flat buffer, mostly at a nonzero
-    storage offset. A DTensor wrapping such a view reports a nonzero ``data_ptr()``
-    and then fails ``copy.deepcopy`` (so ``deepcopy(model.state_dict())`` would), and
-    ``torch.save`` would write the whole flat buffer for every shard. DLPack gives a
-    zero-offset tensor on the same memory that keeps the buffer alive.
-    """
-    if view.device.type == "meta":
-        return view
-    try:
-        return torch.from_dlpack(view)
-    except (RuntimeError, TypeError, BufferError):  # a device or dtype DLPack cannot carry
-        return view
-
-
 def _copy_in(src: torch.Tensor, dest: torch.Tensor) -> None:
     """The default all-gather input: the sharded storage, cast and/or moved (a plain copy;
     the offload plugin overlaps its host-to-device copies itself)."""
     dest.copy_(src)
-
-
-def _alias(base: torch.Tensor, offset: int, shape: tuple[int, ...], stride) -> torch.Tensor:
-    """A tensor on ``base``'s storage with its own version counter.
-
-    Writes into ``base`` (all-gathers, copy-outs) must not bump the version counter
-    of the unsharded parameters that autograd saved for backward.
-    """
-    return torch.empty(0, dtype=base.dtype, device=base.device).set_(
-        base.untyped_storage(), base.storage_offset() + offset, shape, stride
-    )
 
 
 class Bucket:
@@ -113,10 +75,10 @@ class Bucket:
         # reshard_after_forward=<int>: the smaller group, its layout (built at first use),
         # and the post-forward shard while it is held between forward and backward
         self.post_forward: MeshInfo | None = None
-        self._pf: _PostForward | None = None
+        self._pf: PostForward | None = None
         self._post_forward_shard: torch.Tensor | None = None
         self._post_forward_registered = False
-        self._staging_pf: _PostForward | None = None  # the staging holds a post-forward gather
+        self._staging_pf: PostForward | None = None  # the staging holds a post-forward gather
         self._gather_layout = (
             self.world,
             self.total,
@@ -180,7 +142,7 @@ class Bucket:
                         p.layout.padding_numel // p.layout.row_numel,
                     ).zero_()
             p.padded_slot = slot
-            p.install_sharded(_standalone(actual))
+            p.install_sharded(standalone(actual))
         self.sharded_flat = flat
         self.refresh_copy_in()
         self.unsharded_flat = None
@@ -217,14 +179,14 @@ class Bucket:
                 )
                 scale = self.world
             for p, seg in zip(self.params, self.segments):
-                view = _alias(base, scale * seg.offset, p.unsharded_shape, p.unsharded_stride)
+                view = alias(base, scale * seg.offset, p.unsharded_shape, p.unsharded_stride)
                 if p.wrap_unsharded is not None:
                     view = p.wrap_unsharded(view)
                 p.unsharded_param = nn.Parameter(view, requires_grad=p.requires_grad)
                 p.storage_owner = owner
         self.unsharded_flat = base
         if owner is not StorageOwner.SHARDED_STORAGE:
-            _free(base)
+            free(base)
 
     # -- unshard / reshard -----------------------------------------------------------------
     @property
@@ -240,7 +202,7 @@ class Bucket:
         assert flat is not None and self.sharded_flat is not None
         if not self.needs_all_gather:
             if self.needs_copy_in:
-                _alloc(flat)
+                alloc(flat)
                 (self.fill_input or _copy_in)(self.sharded_flat, flat)
             self.pending = READY
             return
@@ -250,7 +212,7 @@ class Bucket:
             pf = self._pf
             assert pf is not None
             if pf.direct:  # one dim-0 member laid out alike: straight into the buffer
-                _alloc(flat)
+                alloc(flat)
                 out = flat[: pf.info.shard_size * pf.total]
             else:
                 out = self._staging = comm.buffer(
@@ -261,7 +223,7 @@ class Bucket:
             return
         custom = self.custom_all_gather
         if self.storage_owner is StorageOwner.ALL_GATHER_OUTPUT and custom is None:
-            _alloc(flat)
+            alloc(flat)
             out = flat
         else:  # the unsharded buffer is allocated at copy-out, not while the gather runs
             out = self._staging = comm.buffer(
@@ -285,7 +247,7 @@ class Bucket:
         handle.wait()
         self.pending = None
         if self._staging is not None:
-            _alloc(self.unsharded_flat)
+            alloc(self.unsharded_flat)
             pf, self._staging_pf = self._staging_pf, None
             if pf is None:
                 self._copy_out(self._staging, self._gather_layout)
@@ -295,7 +257,7 @@ class Bucket:
                 comm.recycle(self._staging, "gather")
             self._staging = None
         if self._pf is not None:
-            _free(self._pf.flat)  # a post-forward shard gathered from (or none held)
+            free(self._pf.flat)  # a post-forward shard gathered from (or none held)
         for p in self.params:
             p.to_unsharded()
         self._post_forward_registered = False
@@ -346,8 +308,8 @@ class Bucket:
             return
         pf = self._pf
         if pf is None:
-            pf = self._pf = _PostForward(self, info)
-        _alloc(pf.flat)
+            pf = self._pf = PostForward(self, info)
+        alloc(pf.flat)
         for p, lay, seg in zip(self.params, pf.layouts, pf.segments):
             if lay.actual_len:
                 src = p.unsharded_param.detach().narrow(p.shard_dim, lay.offset, lay.actual_len)
@@ -363,75 +325,32 @@ class Bucket:
     def reshard(self) -> None:
         if self._post_forward_shard is not None:  # held, never gathered from
             self._post_forward_shard = None
-            _free(self._pf.flat)
+            free(self._pf.flat)
         if self.pending is not None:  # an unshard nobody waited for (e.g. a prefetch)
             self.pending.abandon()
             self.pending = None
             self._staging = None
             self._staging_pf = None
             if self._pf is not None:
-                _free(self._pf.flat)
+                free(self._pf.flat)
         if self._post_forward_registered:
             self._post_forward_registered = False
             for p in self.params:
                 p.to_sharded()
         if self.state is ShardedState.SHARDED:
             if self.unsharded_flat is not None and self.unsharded_flat is not self.sharded_flat:
-                _free(self.unsharded_flat)
+                free(self.unsharded_flat)
             return
         for p in self.params:
             p.to_sharded()
         if self.unsharded_flat is not self.sharded_flat:
-            _free(self.unsharded_flat)
+            free(self.unsharded_flat)
         self.state = ShardedState.SHARDED
 
     # -- gradients ----------------------------------------------------------------------------
     def keep_grads(self) -> None:
         for p in self.params:
             p.keep_unsharded_grad()
-
-
-class _PostForward:
-    """A bucket's post-forward shard over the smaller group (``reshard_after_forward=<int>``).
-
-    Each member's ``torch.chunk`` chunk over that group, padded to its slot, back to back
-    in ``flat`` (the backward's all-gather input); each actual chunk is the local tensor of
-    the member's post-forward DTensor. ``flat`` is allocated per forward and freed once
-    gathered from (or dropped), like the unsharded buffer; the DTensors stay valid.
-    """
-
-    def __init__(self, bucket: Bucket, info: MeshInfo) -> None:
-        size, rank = info.shard_size, info.shard_rank
-        self.info = info
-        self.layouts = [
-            ShardLayout(p.unsharded_shape, p.shard_dim, world=size, rank=rank)
-            for p in bucket.params
-        ]
-        self.segments, self.total = pack_segments([lay.padded_numel for lay in self.layouts])
-        self.gather_layout = (size, self.total, self.segments, self.layouts)
-        first = bucket.params[0]
-        self.direct = (
-            len(bucket.params) == 1
-            and first.shard_dim == 0
-            and size * self.total == bucket.world * bucket.total
-        )
-        self.params = []
-        with torch.inference_mode(False), torch.no_grad():  # persistent, as init_unsharded
-            self.flat = torch.empty(self.total, dtype=bucket.param_dtype, device=bucket.device)
-            for p, lay, seg in zip(bucket.params, self.layouts, self.segments):
-                local = _alias(
-                    self.flat, seg.offset, lay.actual_shape, contiguous_strides(lay.actual_shape)
-                )
-                dt = DTensor.from_local(
-                    local,
-                    info.mesh,
-                    placements_for(info, p.shard_dim),
-                    run_check=False,
-                    shape=torch.Size(p.unsharded_shape),
-                    stride=p.unsharded_stride,
-                )
-                self.params.append(nn.Parameter(dt, requires_grad=p.requires_grad))
-        _free(self.flat)
 
 
 class ParamGroup:

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ._collectives import Comm
@@ -22,6 +21,7 @@ from ._context import RootContext, finish_reductions
 from ._group import ParamGroup
 from ._plugins import get_plugin_manager
 from ._stash import Stash
+from ._storage import reset_sharded_params
 from ._views import UnitView
 
 
@@ -88,32 +88,6 @@ class RegisterPostBackward(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
         ctx.state.post_backward()
         return (None, *grads)
-
-
-def _validated_local(p, registered) -> torch.Tensor:
-    """``registered``'s local tensor, after checking it is a DTensor with ``p``'s spec."""
-    if not isinstance(registered, DTensor):
-        raise ValueError(
-            f"parameter {p.fqn!r} was replaced by a {type(registered).__name__}; a sharded "
-            "module needs DTensor parameters (load a sharded state dict, e.g. from "
-            "model.state_dict() or torch.distributed.checkpoint)"
-        )
-    if (
-        registered.shape != torch.Size(p.global_shape)
-        or tuple(registered.placements) != p.placements
-    ):
-        raise ValueError(
-            f"parameter {p.fqn!r}: expected a DTensor of global shape {p.global_shape} with "
-            f"placements {p.placements}, got {tuple(registered.shape)} with "
-            f"{tuple(registered.placements)}"
-        )
-    local = registered.to_local()
-    if tuple(local.shape) != p.layout.actual_shape:
-        raise ValueError(
-            f"parameter {p.fqn!r}: local shard has shape {tuple(local.shape)}, expected "
-            f"{p.layout.actual_shape} on this rank"
-        )
-    return local
 
 
 def _grad_tensors(tree: Any) -> tuple[list[Any], Any, list[int]]:
@@ -303,40 +277,8 @@ class FSDPState:
             self.reset_sharded_params()
 
     def reset_sharded_params(self) -> None:
-        """Rebuild the unit's flat sharded storage around its currently registered parameters.
-
-        After ``load_state_dict(assign=True)`` the registered Parameter objects are new;
-        after ``_apply`` (``to``, ``to_empty``, dtype casts) their local tensors are. Either
-        way the actual shards are copied into fresh padded storage (padding zeroed) and the
-        parameters' local tensors become views of it.
-        """
-        group = self.group
-        assert group is not None
-        group.reshard()
-        locals_by_param = {}
-        for p in group.params:
-            local = _validated_local(p, p.registered())
-            if p.registered() is not p.sharded_param:
-                p.sharded_param = p.registered()
-            if local.dtype != p.orig_dtype:
-                same = p.param_dtype == p.orig_dtype
-                p.orig_dtype = local.dtype
-                if same:
-                    p.param_dtype = p.reduce_dtype = local.dtype
-            locals_by_param[id(p)] = local.detach()
-        first = next(iter(locals_by_param.values()))
-        device = (
-            torch.device("meta")
-            if any(t.is_meta for t in locals_by_param.values())
-            else first.device
-        )
-        group.rebucket()  # dtypes may have changed
-        group.build_sharded(locals_by_param, device)
-        if self.ctx is not None:
-            self.prepare_group()
-        hook = get_plugin_manager().hook.hyperfsdp_param_reset
-        for p in group.params:
-            hook(param=p.view)
+        """Rebuild the unit's storage around its registered parameters (see ``_storage``)."""
+        reset_sharded_params(self)
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.needs_reset:
