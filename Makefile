@@ -13,7 +13,7 @@ DIST_DIR ?= dist
 STAMP := $(dir $(PY)).hyperfsdp-installed
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench lint dist wheels clean
+.PHONY: install test demo bench bench-deps charts lint dist wheels clean
 
 $(PY):
 	$(PYTHON) -m venv $(dir $(PY))..
@@ -35,6 +35,20 @@ demo: install
 
 bench: install
 	$(PY) -m hyperfsdp_core bench
+
+# matplotlib for `hyperfsdp bench --charts` (benchmark-only extra; `make test` does not need it)
+BENCH_STAMP := $(dir $(PY)).hyperfsdp-bench-installed
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[bench]"
+	touch $(BENCH_STAMP)
+
+bench-deps: $(BENCH_STAMP)
+
+# Redraw the charts from stored results: make charts CHARTS_FROM="a.json b.json" CHARTS_DIR=docs
+CHARTS_FROM ?= benchmarks/results/latest.json
+CHARTS_DIR ?= docs
+charts: $(BENCH_STAMP)
+	$(PY) -m hyperfsdp_core bench $(foreach f,$(CHARTS_FROM),--replot $(f)) --charts $(CHARTS_DIR)
 
 lint: install
 	$(PY) -m ruff check .

@@ -6,8 +6,11 @@ For each size (MiB of the full, unsharded tensor) it times, on CPU ranks over gl
 all-gather as ``all_gather_into_tensor``, as ``all_gather`` into a list of views, and
 as an all-reduce of a zero-padded buffer; reduce-scatter as ``reduce_scatter_tensor``,
 as ``reduce_scatter`` from a list, and as an all-reduce followed by taking this rank's
-slice. It also says whether each stand-in's result is bitwise equal to the native one.
-Median milliseconds over ``--repeats`` runs, slowest rank.
+slice (all-gather also as an integer all-reduce of the bit patterns, exact for every
+value, -0.0 included). It also says whether each stand-in's result is bitwise equal to
+the native one. Median milliseconds over ``--repeats`` runs, slowest rank; and the peak
+bytes malloc allocated inside each call beyond the caller's buffers (gloo's internal
+staging), sampled with ``mallinfo2`` over all threads.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # hyperfsdp_bench
 
 import torch
 import torch.distributed as dist
@@ -38,22 +42,7 @@ def _time(fn, repeats: int) -> float:
     return float(mine) * 1e3
 
 
-def rank_main(mib_list, repeats):
-    return [_measure(mib, repeats) for mib in mib_list]
-
-
-def _measure(mib: float, repeats: int) -> dict:
-    world, rank = dist.get_world_size(), dist.get_rank()
-    full = int(mib * 2**20 / 4) // world * world
-    shard = full // world
-    torch.manual_seed(rank)
-    inp = torch.randn(shard)
-    out = torch.empty(full)
-    views = list(out.view(world, shard))
-    zero_padded = torch.zeros(full)
-    grads = torch.randn(full)
-    rs_out = torch.empty(shard)
-
+def _variants(world, rank, shard, inp, out, views, zero_padded, grads, rs_out, work):
     def ag_tensor():
         dist.all_gather_into_tensor(out, inp)
 
@@ -65,7 +54,10 @@ def _measure(mib: float, repeats: int) -> dict:
         zero_padded[rank * shard : (rank + 1) * shard].copy_(inp)
         dist.all_reduce(zero_padded)
 
-    work = grads.clone()
+    def ag_all_reduce_int():  # integer sum of the bit patterns: exact for every value (-0.0)
+        zero_padded.zero_()
+        zero_padded[rank * shard : (rank + 1) * shard].copy_(inp)
+        dist.all_reduce(zero_padded.view(torch.int32))
 
     def rs_tensor():
         dist.reduce_scatter_tensor(rs_out, grads)
@@ -73,35 +65,82 @@ def _measure(mib: float, repeats: int) -> dict:
     def rs_list():
         dist.reduce_scatter(rs_out, list(grads.view(world, shard)))
 
-    def rs_all_reduce():
+    def rs_all_reduce():  # in place on a copy of the pack (the engine's pack is its own)
         work.copy_(grads)
         dist.all_reduce(work)
 
-    row = {"mib": mib}
-    for name, fn in (
-        ("ag_tensor", ag_tensor),
-        ("ag_list", ag_list),
-        ("ag_all_reduce", ag_all_reduce),
-        ("rs_tensor", rs_tensor),
-        ("rs_list", rs_list),
-        ("rs_all_reduce", rs_all_reduce),
-    ):
-        row[name] = _time(fn, repeats)
-    ag_tensor()
-    reference = out.clone()
-    ag_all_reduce()
-    row["ag_all_reduce_exact"] = bool(torch.equal(zero_padded, reference))
-    ag_list()
-    row["ag_list_exact"] = bool(torch.equal(out, reference))
-    rs_tensor()
-    reference = rs_out.clone()
-    rs_all_reduce()
-    row["rs_all_reduce_exact"] = bool(
-        torch.equal(work[rank * shard : (rank + 1) * shard], reference)
-    )
-    rs_list()
-    row["rs_list_exact"] = bool(torch.equal(rs_out, reference))
-    return row
+    return {
+        "ag_tensor": ag_tensor,
+        "ag_list": ag_list,
+        "ag_all_reduce": ag_all_reduce,
+        "ag_all_reduce_int": ag_all_reduce_int,
+        "rs_tensor": rs_tensor,
+        "rs_list": rs_list,
+        "rs_all_reduce": rs_all_reduce,
+    }
+
+
+def _extra_heap(fn) -> int:
+    """Peak bytes malloc had in use during ``fn()`` above what it had before (all threads)."""
+    from hyperfsdp_bench.measure import HeapPeak
+
+    dist.barrier()
+    heap = HeapPeak(interval=0.0002)
+    before = heap._in_use()
+    with heap:
+        fn()
+    return (heap.peak or before) - before
+
+
+def rank_main(mib_list, repeats):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    results = []
+    for mib in mib_list:
+        full = int(mib * 2**20 / 4) // world * world
+        shard = full // world
+        torch.manual_seed(rank)
+        inp = torch.randn(shard)
+        out = torch.empty(full)
+        views = list(out.view(world, shard))
+        zero_padded = torch.zeros(full)
+        grads = torch.randn(full)
+        rs_out = torch.empty(shard)
+        work = grads.clone()
+        fns = _variants(world, rank, shard, inp, out, views, zero_padded, grads, rs_out, work)
+        row = {"mib": mib}
+        for name, fn in fns.items():
+            row[name] = _time(fn, repeats)
+            mine = torch.tensor(_extra_heap(fn), dtype=torch.float64)
+            dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+            row[f"{name}_extra_mib"] = float(mine) / 2**20
+        fns["ag_tensor"]()
+        reference = out.clone()
+        fns["ag_all_reduce"]()
+        row["ag_all_reduce_exact"] = bool(torch.equal(zero_padded, reference))
+        fns["ag_all_reduce_int"]()
+        row["ag_all_reduce_int_exact"] = bool(torch.equal(zero_padded, reference))
+        fns["ag_list"]()
+        row["ag_list_exact"] = bool(torch.equal(out, reference))
+        fns["rs_tensor"]()
+        reference = rs_out.clone()
+        fns["rs_all_reduce"]()
+        slice_ = work[rank * shard : (rank + 1) * shard]
+        row["rs_all_reduce_exact"] = bool(torch.equal(slice_, reference))
+        fns["rs_list"]()
+        row["rs_list_exact"] = bool(torch.equal(rs_out, reference))
+        results.append(row)
+    return results
+
+
+COLS = (
+    "ag_tensor",
+    "ag_list",
+    "ag_all_reduce",
+    "ag_all_reduce_int",
+    "rs_tensor",
+    "rs_list",
+    "rs_all_reduce",
+)
 
 
 def main(argv=None) -> int:
@@ -113,17 +152,24 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=7)
     args = p.parse_args(argv)
     rows = run_on_ranks(args.world_size, rank_main, args.mib, args.repeats, timeout=1800)[0]
-    cols = ("ag_tensor", "ag_list", "ag_all_reduce", "rs_tensor", "rs_list", "rs_all_reduce")
     print(
-        f"gloo, {args.world_size} ranks, median ms (slowest rank); '*' = not bitwise equal to the native result"
+        f"gloo, {args.world_size} ranks, median ms (slowest rank); '*' = not bitwise equal to "
+        "the native result"
     )
-    print(f"{'MiB':>6}  " + "  ".join(f"{c:>14}" for c in cols))
+    print(f"{'MiB':>6}  " + "  ".join(f"{c:>17}" for c in COLS))
     for row in rows:
         cells = []
-        for c in cols:
+        for c in COLS:
             exact = row.get(f"{c}_exact", True)
-            cells.append(f"{row[c]:>13.2f}{' ' if exact else '*'}")
+            cells.append(f"{row[c]:>16.2f}{' ' if exact else '*'}")
         print(f"{row['mib']:>6g}  " + "  ".join(cells))
+    print(
+        "\nMiB malloc allocated inside the call beyond the caller's buffers (peak, max over "
+        "ranks; the caller's: all-gather output and input, reduce-scatter input and output)"
+    )
+    print(f"{'MiB':>6}  " + "  ".join(f"{c:>17}" for c in COLS))
+    for row in rows:
+        print(f"{row['mib']:>6g}  " + "  ".join(f"{row[c + '_extra_mib']:>17.1f}" for c in COLS))
     return 0
 
 

@@ -12,10 +12,27 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-CONFIG_CHOICES = ("even", "uneven", "bf16", "no-reshard", "hsdp", "tp", "host-overhead")
+CONFIG_CHOICES = (
+    "even",
+    "uneven",
+    "bf16",
+    "no-reshard",
+    "hsdp",
+    "tp",
+    "param-heavy",
+    "offload",
+    "host-overhead",
+)
 IMPL_CHOICES = ("hyperfsdp", "fsdp2", "ddp", "floor")
-#: opt-in: hyperfsdp with its CPU communication knobs on (separate reduce-scatter group, 2 in flight)
-VARIANT_CHOICES = ("hyperfsdp-tuned",)
+#: opt-in: hyperfsdp with its CPU communication knobs on (separate reduce-scatter group, 2 in
+#: flight); any implementation with AdamW(foreach=True)
+VARIANT_CHOICES = (
+    "hyperfsdp-tuned",
+    "hyperfsdp-foreach",
+    "fsdp2-foreach",
+    "ddp-foreach",
+    "floor-foreach",
+)
 
 
 def _checkout_benchmarks() -> Path:
@@ -64,6 +81,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         const="full",
         help="every config x world size {2,4} x layers {4,8,16}, more steps",
     )
+    preset.add_argument(
+        "--scaling",
+        dest="preset",
+        action="store_const",
+        const="scaling",
+        help="the scaling sweep: even at world 2 x layers {4,8,16,32} and 8 layers x world "
+        "{1,2,4} (about 40 minutes; with --charts, the scaling charts)",
+    )
     p.set_defaults(preset="quick")
     p.add_argument(
         "--config",
@@ -82,12 +107,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         choices=IMPL_CHOICES + VARIANT_CHOICES,
         help="only these implementations (repeatable; default: the four main ones; "
-        "hyperfsdp-tuned adds hyperfsdp with its CPU communication knobs on)",
+        "hyperfsdp-tuned adds hyperfsdp with its CPU communication knobs on; <impl>-foreach "
+        "adds that implementation with torch.optim.AdamW(foreach=True))",
     )
     p.add_argument(
-        "--steps", type=_positive, help="timed steps per implementation (quick 12, full 30)"
+        "--steps",
+        type=_positive,
+        help="timed steps per implementation (quick 12, full 30, scaling 18)",
     )
-    p.add_argument("--rounds", type=_positive, help="interleaved rounds (quick 3, full 5)")
+    p.add_argument(
+        "--rounds", type=_positive, help="interleaved rounds (quick 3, full 5, scaling 3)"
+    )
     p.add_argument("--warmup", type=int, help="untimed steps before timing (default 3)")
     p.add_argument(
         "--threads", type=_positive, default=1, help="torch threads per rank (default 1)"
@@ -107,6 +137,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--markdown", type=Path, metavar="PATH", help="also write the tables as Markdown"
+    )
+    p.add_argument(
+        "--timeline",
+        action="store_true",
+        help="also record a memory timeline of one step per implementation (heap in use "
+        "over time, each block's forward and backward start, the optimizer step)",
+    )
+    p.add_argument(
+        "--charts",
+        type=Path,
+        metavar="DIR",
+        help="draw PNG charts into DIR (needs matplotlib: pip install -e '.[bench]'): the "
+        "memory timelines of cases run with --timeline, and step time / peak memory against "
+        "layers and world size from the cases of the scaling sweep that ran",
+    )
+    p.add_argument(
+        "--replot",
+        action="append",
+        type=Path,
+        metavar="JSON",
+        help="run nothing: draw --charts (and print the tables) from earlier results "
+        "(repeatable; later files win for the same case)",
     )
     p.add_argument("--list", action="store_true", help="list the cases that would run, and exit")
 
@@ -147,7 +199,13 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
         check=args.check,
         json_path=args.json_path or path / "results" / "latest.json",
         markdown_path=args.markdown,
+        timeline=args.timeline,
+        charts_dir=args.charts,
     )
+    if args.replot:
+        from hyperfsdp_bench.suite import replot
+
+        return replot(args.replot, opts)
     if args.list:
         for case in select_cases(PRESETS[opts.preset], opts.configs, opts.worlds, opts.layers):
             print(f"{case.name:24s} impls: {', '.join(case.impls(opts.impls))}")

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from .impls import ALL_IMPLS, CaseSpec
+from .impls import ALL_IMPLS, CaseSpec, parse_impl
 from .model import ModelConfig
 
 #: Model configurations (``--config``). Dims: ~11M parameters at 8 layers.
@@ -18,17 +18,39 @@ CONFIGS = {
     "no-reshard": "reshard_after_forward=False, fp32",
     "hsdp": "HSDP on a (2, world/2) (replicate, shard) mesh, fp32 (hyperfsdp needs hyperfsdp-hsdp)",
     "tp": "TP + FSDP: (world/2, 2) (dp, tp) mesh, Colwise/Rowwise + sequence parallel, FSDP over dp, fp32 (hyperfsdp needs hyperfsdp-tp)",
+    "param-heavy": "dim 1024, 16 heads, MLP hidden 2816, batch 1 x 64 tokens: parameters, "
+    "gradients and optimizer state outweigh activations (~120M parameters at 8 layers), fp32",
+    "offload": "CPUOffloadPolicy() for both FSDPs, fp32; also hyperfsdp and FSDP2 without "
+    "offload and FSDP2 with CPUOffloadPolicy(pin_memory=False) (hyperfsdp needs hyperfsdp-offload)",
     "host-overhead": "64 tiny blocks (dim 32): per-unit host cost, compute negligible",
 }
-MODEL_CONFIGS = ("even", "uneven", "bf16", "no-reshard", "hsdp", "tp")
+MODEL_CONFIGS = ("even", "uneven", "bf16", "no-reshard", "hsdp", "tp", "param-heavy", "offload")
 HOST_OVERHEAD = "host-overhead"
-HOST_OVERHEAD_IMPLS = ("hyperfsdp", "fsdp2", "floor", "hyperfsdp-tuned")
+#: host overhead: no DDP (the floor is the reference); any variant of the others
+HOST_OVERHEAD_BASES = ("hyperfsdp", "fsdp2", "floor")
 #: tensor parallelism: the two FSDPs only (DDP and the floor have no TP counterpart here)
-TP_IMPLS = ("hyperfsdp", "fsdp2")
+TP_BASES = ("hyperfsdp", "fsdp2")
+#: the offload configuration also runs these, whenever their main implementation runs
+OFFLOAD_EXTRAS = {
+    "hyperfsdp": ("hyperfsdp-no-offload",),
+    "fsdp2": ("fsdp2-unpinned", "fsdp2-no-offload"),
+}
 
 _EVEN = {"vocab": 8192, "dim": 256, "n_heads": 4, "hidden": 704, "seq_len": 128, "batch": 4}
 _UNEVEN = {**_EVEN, "vocab": 8193, "hidden": 705}
 _TINY = {"vocab": 128, "dim": 32, "n_heads": 2, "hidden": 64, "seq_len": 16, "batch": 2}
+#: parameter-dominated: 16 heads of 64 (the other configs' head size), SwiGLU hidden
+#: 8/3 * dim rounded up to a multiple of 256 (the Llama rule); ~120M parameters at 8 layers
+#: (480 MB fp32; with gradients and AdamW state 1.9 GB unsharded) against ~5 MB of
+#: activations per block
+_PARAM_HEAVY = {
+    "vocab": 8192,
+    "dim": 1024,
+    "n_heads": 16,
+    "hidden": 2816,
+    "seq_len": 64,
+    "batch": 1,
+}
 
 
 @attrs.frozen
@@ -50,7 +72,9 @@ class Case:
         return self.config == HOST_OVERHEAD
 
     def spec(self) -> CaseSpec:
-        dims = {"uneven": _UNEVEN, HOST_OVERHEAD: _TINY}.get(self.config, _EVEN)
+        dims = {"uneven": _UNEVEN, HOST_OVERHEAD: _TINY, "param-heavy": _PARAM_HEAVY}.get(
+            self.config, _EVEN
+        )
         model = ModelConfig(n_layers=self.layers, **dims)
         return CaseSpec(
             model=model,
@@ -58,17 +82,28 @@ class Case:
             reshard_after_forward=False if self.config == "no-reshard" else None,
             hsdp=(2, self.world // 2) if self.config == "hsdp" else None,
             tp=2 if self.config == "tp" else None,
+            offload=self.config == "offload",
         )
 
     def impls(self, selected: Sequence[str]) -> tuple[str, ...]:
-        allowed = (
-            HOST_OVERHEAD_IMPLS
-            if self.is_host_overhead
-            else TP_IMPLS
-            if self.config == "tp"
-            else ALL_IMPLS
-        )
-        return tuple(i for i in ALL_IMPLS if i in selected and i in allowed)
+        """The implementations this case runs, of ``selected``, in a fixed order."""
+        chosen = set(selected)
+        if self.config == "offload":
+            for impl in selected:
+                chosen.update(OFFLOAD_EXTRAS.get(impl, ()))
+        out = []
+        for impl in ALL_IMPLS:
+            if impl not in chosen:
+                continue
+            base, variant = parse_impl(impl)
+            if variant in ("no-offload", "unpinned") and self.config != "offload":
+                continue
+            if self.is_host_overhead and base not in HOST_OVERHEAD_BASES:
+                continue
+            if self.config == "tp" and base not in TP_BASES:
+                continue
+            out.append(impl)
+        return tuple(out)
 
 
 QUICK = (
@@ -81,6 +116,8 @@ QUICK = (
     Case("tp", 4, 8),
     Case("even", 2, 4),
     Case("even", 2, 16),
+    Case("param-heavy", 2, 8),
+    Case("offload", 2, 8),
     Case(HOST_OVERHEAD, 1, 64),
     Case(HOST_OVERHEAD, 2, 64),
 )
@@ -90,6 +127,8 @@ FULL = (
         for c, w, n in itertools.product(MODEL_CONFIGS, (2, 4), (4, 8, 16))
         # HSDP needs replicate and shard groups of 2+; TP + FSDP needs dp and tp of 2+
         if not (c in ("hsdp", "tp") and w < 4)
+        # param-heavy: 120M parameters at 8 layers; one depth, world 2 and 4
+        and not (c == "param-heavy" and n != 8)
     ),
     Case(HOST_OVERHEAD, 1, 64),
     Case(HOST_OVERHEAD, 2, 64),
@@ -105,9 +144,17 @@ class Preset:
     warmup: int
 
 
+#: the scaling charts: even at world 2 and 4, 8, 16, 32 layers; 8 layers at world 1, 2, 4
+SCALING = (
+    *(Case("even", 2, n) for n in (4, 8, 16, 32)),
+    Case("even", 1, 8),
+    Case("even", 4, 8),
+)
+
 PRESETS = {
     "quick": Preset("quick", QUICK, steps=12, rounds=3, warmup=3),
     "full": Preset("full", FULL, steps=30, rounds=5, warmup=3),
+    "scaling": Preset("scaling", SCALING, steps=18, rounds=3, warmup=3),
 }
 
 

@@ -12,13 +12,48 @@ from torch import nn
 from .model import ModelConfig, build_model
 
 IMPLS = ("hyperfsdp", "fsdp2", "ddp", "floor")
-#: Opt-in variants (``--impl``): hyperfsdp with its CPU communication knobs turned on, to
-#: measure what they buy: reduce-scatters on their own process group (own gloo threads)
-#: and two reduce-scatters in flight before post-backward waits.
-VARIANTS = ("hyperfsdp-tuned",)
-ALL_IMPLS = IMPLS + VARIANTS
-#: Implementations that run under torch.distributed (the floor runs one independent process per rank).
-DISTRIBUTED = frozenset({"hyperfsdp", "fsdp2", "ddp", "hyperfsdp-tuned"})
+#: Opt-in variants (``--impl``), each a main implementation with one change:
+#:
+#: - ``hyperfsdp-tuned``: hyperfsdp with its CPU communication knobs turned on, to measure
+#:   what they buy: reduce-scatters on their own process group (own gloo threads) and two
+#:   reduce-scatters in flight before post-backward waits;
+#: - ``<impl>-foreach``: ``torch.optim.AdamW(..., foreach=True)`` instead of the default
+#:   (on CPU: the per-tensor loop), to measure what the multi-tensor optimizer buys.
+#:
+#: The ``offload`` configuration adds its own: ``hyperfsdp-no-offload`` and
+#: ``fsdp2-no-offload`` (the same without offload) and ``fsdp2-unpinned`` (FSDP2's
+#: ``CPUOffloadPolicy(pin_memory=False)``, which runs without an accelerator where the
+#: default ``CPUOffloadPolicy()`` refuses).
+VARIANTS = ("hyperfsdp-tuned", "hyperfsdp-foreach", "fsdp2-foreach", "ddp-foreach", "floor-foreach")
+OFFLOAD_VARIANTS = ("hyperfsdp-no-offload", "fsdp2-unpinned", "fsdp2-no-offload")
+ALL_IMPLS = IMPLS + VARIANTS + OFFLOAD_VARIANTS
+#: Main implementations that run under torch.distributed (the floor runs one independent
+#: process per rank).
+_DISTRIBUTED_BASES = frozenset({"hyperfsdp", "fsdp2", "ddp"})
+_SUFFIXES = ("-tuned", "-foreach", "-no-offload", "-unpinned")
+
+
+def parse_impl(impl: str) -> tuple[str, str]:
+    """``"fsdp2-foreach"`` -> ``("fsdp2", "foreach")``; a main implementation has no variant."""
+    for suffix in _SUFFIXES:
+        if impl.endswith(suffix) and impl[: -len(suffix)] in IMPLS:
+            return impl[: -len(suffix)], suffix[1:]
+    if impl not in IMPLS:
+        raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join(ALL_IMPLS)}")
+    return impl, ""
+
+
+def is_distributed(impl: str) -> bool:
+    return parse_impl(impl)[0] in _DISTRIBUTED_BASES
+
+
+def family(impl: str) -> str:
+    """The suffix shared by an implementation and its references: ``"-foreach"`` or ``""``."""
+    return "-foreach" if parse_impl(impl)[1] == "foreach" else ""
+
+
+class Refused(RuntimeError):
+    """An implementation declines a configuration (reported as such, not as a failure)."""
 
 
 def _tune_hyperfsdp(model: nn.Module) -> list[str]:
@@ -46,6 +81,7 @@ class CaseSpec:
     #: tensor-parallel degree: a (world / tp, tp) ("dp", "tp") mesh, the model parallelized
     #: on "tp" (Colwise/Rowwise with sequence parallelism) before FSDP over "dp"
     tp: int | None = None
+    offload: bool = False  # CPUOffloadPolicy() for both FSDPs (see OFFLOAD_VARIANTS)
     seed: int = 1234
     lr: float = 1e-3
 
@@ -62,8 +98,10 @@ def _autocast_bf16() -> contextlib.AbstractContextManager:
     return torch.autocast("cpu", dtype=torch.bfloat16)
 
 
-def _shard(model: nn.Module, fully_shard, mp_policy_cls, spec: CaseSpec) -> int:
+def _shard(model: nn.Module, fully_shard, mp_policy_cls, spec: CaseSpec, offload=None) -> int:
     kwargs = {}
+    if offload is not None:
+        kwargs["offload_policy"] = offload
     if spec.precision == "bf16":
         kwargs["mp_policy"] = mp_policy_cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if spec.reshard_after_forward is not None:
@@ -93,31 +131,43 @@ def data_rank(spec: CaseSpec, rank: int) -> int:
 
 
 def build(impl: str, spec: CaseSpec) -> Built:
+    base, variant = parse_impl(impl)
     model = build_model(spec.model, spec.seed)
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     n_units = 0
-    if impl in ("hyperfsdp", "hyperfsdp-tuned"):
-        from hyperfsdp_core import MixedPrecisionPolicy, fully_shard
+    offload = spec.offload and variant != "no-offload"
+    if base == "hyperfsdp":
+        from hyperfsdp_core import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-        n_units = _shard(model, fully_shard, MixedPrecisionPolicy, spec)
-        if impl == "hyperfsdp-tuned" and not _tune_hyperfsdp(model):
+        policy = CPUOffloadPolicy() if offload else None
+        n_units = _shard(model, fully_shard, MixedPrecisionPolicy, spec, policy)
+        if variant == "tuned" and not _tune_hyperfsdp(model):
             raise RuntimeError("hyperfsdp-tuned: this engine version has none of the knobs")
-    elif impl == "fsdp2":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    elif base == "fsdp2":
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-        n_units = _shard(model, fully_shard, MixedPrecisionPolicy, spec)
-    elif impl == "ddp":
+        policy = None
+        if offload:
+            policy = CPUOffloadPolicy(pin_memory=variant != "unpinned")
+        try:
+            n_units = _shard(model, fully_shard, MixedPrecisionPolicy, spec, policy)
+        except RuntimeError as exc:
+            if policy is None or policy.pin_memory is False or torch.accelerator.is_available():
+                raise
+            raise Refused(
+                "FSDP2's CPUOffloadPolicy() refuses to run without an accelerator (it pins "
+                f"the sharded parameters): {exc}"
+            ) from exc
+    elif base == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(model)
         if spec.precision == "bf16":  # bf16 compute, gradients (and their all-reduce) in fp32
             autocast = _autocast_bf16
-    elif impl == "floor":
-        if spec.precision == "bf16":
-            autocast = _autocast_bf16
-    else:
-        raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join(ALL_IMPLS)}")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.1)
+    elif base == "floor" and spec.precision == "bf16":
+        autocast = _autocast_bf16
+    foreach = True if variant == "foreach" else None  # None: torch's default (CPU: the loop)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.1, foreach=foreach)
     return Built(model, optimizer, autocast, n_units)
 
 

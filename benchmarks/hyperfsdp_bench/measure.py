@@ -6,6 +6,7 @@ import functools
 import math
 import sys
 import threading
+import time
 from collections import defaultdict
 
 import torch
@@ -63,6 +64,8 @@ class CollectiveCounter:
         self._local = threading.local()
         self.installed: list[str] = []
         self.aliases: list[str] = []
+        #: called as ``listener(name, nbytes)`` for every counted call (memory timeline)
+        self.listener = None
 
     def install(self) -> None:
         import torch.distributed as dist
@@ -109,7 +112,10 @@ class CollectiveCounter:
                         if k in kwargs:
                             arg = kwargs[k]
                             break
-                nbytes[name] += _nbytes(arg)
+                n = _nbytes(arg)
+                nbytes[name] += n
+                if self.listener is not None:
+                    self.listener(name, n)
             local.depth = depth + 1
             try:
                 return fn(*args, **kwargs)
@@ -162,6 +168,32 @@ def reset_peak_rss() -> bool:
         return False
 
 
+def _load_mallinfo():
+    """glibc's ``mallinfo2`` as a callable, or None (non-glibc, glibc < 2.33)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        names = (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+        fields = [(n, ctypes.c_size_t) for n in names]
+        info_type = type("mallinfo2", (ctypes.Structure,), {"_fields_": fields})
+        libc.mallinfo2.restype = info_type
+        return libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+
+
 class HeapPeak:
     """Peak bytes in use by malloc during a block, sampled by a thread every ``interval`` s.
 
@@ -169,53 +201,45 @@ class HeapPeak:
     blocks), independent of fragmentation and of when freed memory is returned to the
     OS; peak RSS depends on both and varies by tens of MiB between identical runs.
     ``peak`` is None where ``mallinfo2`` is unavailable (non-glibc, glibc < 2.33).
+    With ``record=True`` every sample is kept as ``(perf_counter seconds, bytes)`` in
+    ``samples`` (the memory timeline).
     """
 
-    def __init__(self, interval: float = 0.0005) -> None:
-        import ctypes
+    def __init__(self, interval: float = 0.0005, record: bool = False) -> None:
         import threading
 
         self.interval = interval
         self.peak: int | None = None
+        self.samples: list[tuple[float, int]] | None = [] if record else None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        try:
-            libc = ctypes.CDLL("libc.so.6")
-            fields = [
-                (n, ctypes.c_size_t)
-                for n in (
-                    "arena",
-                    "ordblks",
-                    "smblks",
-                    "hblks",
-                    "hblkhd",
-                    "usmblks",
-                    "fsmblks",
-                    "uordblks",
-                    "fordblks",
-                    "keepcost",
-                )
-            ]
-            info_type = type("mallinfo2", (ctypes.Structure,), {"_fields_": fields})
-            libc.mallinfo2.restype = info_type
-            self._mallinfo = libc.mallinfo2
-        except (OSError, AttributeError):
-            self._mallinfo = None
+        self._mallinfo = _load_mallinfo()
 
     def _in_use(self) -> int:
         info = self._mallinfo()
         return info.uordblks + info.hblkhd
 
+    @property
+    def available(self) -> bool:
+        return self._mallinfo is not None
+
+    def sample(self) -> None:
+        """Take one sample now (from any thread)."""
+        now = self._in_use()
+        self.peak = max(self.peak or 0, now)
+        if self.samples is not None:
+            self.samples.append((time.perf_counter(), now))
+
     def _poll(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak or 0, self._in_use())
+            self.sample()
             self._stop.wait(self.interval)
 
     def __enter__(self) -> HeapPeak:
         if self._mallinfo is not None:
             import threading
 
-            self.peak = self._in_use()
+            self.sample()
             self._thread = threading.Thread(target=self._poll, daemon=True)
             self._thread.start()
         return self
@@ -224,7 +248,7 @@ class HeapPeak:
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
-            self.peak = max(self.peak or 0, self._in_use())
+            self.sample()
 
 
 # -- live state ------------------------------------------------------------------------------------

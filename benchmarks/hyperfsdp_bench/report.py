@@ -77,7 +77,9 @@ def summary_table(results: dict, markdown: bool = False) -> str:
         if res["config"] == "host-overhead":
             continue
         imp = res["impls"]
-        h, f, d = imp.get("hyperfsdp", {}), imp.get("fsdp2", {}), imp.get("ddp", {})
+        h, d = imp.get("hyperfsdp", {}), imp.get("ddp", {})
+        ref_name = h.get("reference", "fsdp2")
+        f = imp.get(ref_name, {})
         t = imp.get("hyperfsdp-tuned", {})
         check = res.get("loss_check", {})
         cstatus = check.get("status", "-")
@@ -85,11 +87,12 @@ def summary_table(results: dict, markdown: bool = False) -> str:
             worst = check["compared"]["hyperfsdp"]
             cstatus += " (exact)" if worst == 0 else f" (rel {worst:.0e})"
         tcol = [_ratio(t.get("ratio_vs_fsdp2"))] if tuned else []
+        name = res["case"] + (f" (vs {ref_name})" if ref_name != "fsdp2" else "")
         if h.get("status", "ok") != "ok":
             hcol = "FAILED loss check" if "loss check" in h["status"] else "error (see notes)"
             rows.append(
                 [
-                    res["case"],
+                    name,
                     hcol,
                     "-",
                     "-",
@@ -103,7 +106,7 @@ def summary_table(results: dict, markdown: bool = False) -> str:
             continue
         rows.append(
             [
-                res["case"],
+                name,
                 _ratio(h.get("ratio_vs_fsdp2")),
                 _range(h.get("round_ratios_vs_fsdp2")),
                 _ratio(h.get("cpu_ratio_vs_fsdp2")),
@@ -121,7 +124,14 @@ def _note(notes: list[str], res: dict, impl: str, r: dict) -> str:
     """Errors go under the tables as numbered notes; the cell says which."""
     status = (r.get("status") or "?").strip().splitlines()[0]
     notes.append(f"[{len(notes) + 1}] {res['case']} {impl}: {status[:300]}")
-    return ("FAILED" if "loss check" in status else "error") + f" [{len(notes)}]"
+    kind = (
+        "FAILED"
+        if "loss check" in status
+        else "refused"
+        if status.startswith("refused")
+        else "error"
+    )
+    return f"{kind} [{len(notes)}]"
 
 
 def detail_table(results: dict, markdown: bool = False, notes: list[str] | None = None) -> str:
@@ -132,6 +142,8 @@ def detail_table(results: dict, markdown: bool = False, notes: list[str] | None 
         "p90 s",
         "xFSDP2",
         "xfloor",
+        "fwd+bwd s",
+        "optim s",
         "CPU s/step",
         "CPU xFSDP2",
         "peak RSS MiB",
@@ -148,7 +160,7 @@ def detail_table(results: dict, markdown: bool = False, notes: list[str] | None 
             continue
         for impl, r in res["impls"].items():
             if r.get("status") != "ok":
-                rows.append([res["case"], impl, _note(notes, res, impl, r)] + [""] * 11)
+                rows.append([res["case"], impl, _note(notes, res, impl, r)] + [""] * 13)
                 continue
             peak = max((x for x in r["peak_rss_bytes"] if x), default=None)
             heap = max((x for x in r.get("peak_heap_bytes", []) if x), default=None)
@@ -160,6 +172,8 @@ def detail_table(results: dict, markdown: bool = False, notes: list[str] | None 
                     _f(r["p90_s"]),
                     _ratio(r.get("ratio_vs_fsdp2")),
                     _ratio(r.get("ratio_vs_floor")),
+                    _f(r.get("fwd_bwd_median_s")),
+                    _f(r.get("optim_median_s")),
                     _f(r["cpu_s_per_step"]),
                     _ratio(r.get("cpu_ratio_vs_fsdp2")),
                     _f(peak / MiB if peak else None, ".0f"),
@@ -170,49 +184,152 @@ def detail_table(results: dict, markdown: bool = False, notes: list[str] | None 
                     _f(r["bytes_per_step"] / MiB, ".1f"),
                 ]
             )
-    return _table(headers, rows, markdown, right=set(range(2, 14)))
+    return _table(headers, rows, markdown, right=set(range(2, 16)))
 
 
 def host_overhead_table(
     results: dict, markdown: bool = False, notes: list[str] | None = None
 ) -> str:
+    """Per unit and step: the whole overhead over the floor, then its engine part (forward +
+    backward minus the floor's) and its optimizer part (step minus the floor's)."""
     headers = [
         "case",
         "impl",
         "units",
         "median ms/step",
-        "ms/unit/step",
-        "overhead ms/unit/step (minus floor)",
+        "fwd+bwd ms",
+        "optim ms",
+        "overhead ms/unit",
+        "xFSDP2",
+        "engine ms/unit",
+        "xFSDP2",
+        "optimizer ms/unit",
         "xFSDP2",
         "CPU ms/step",
     ]
     notes = [] if notes is None else notes
     rows = []
+
+    def ms(r: dict, key: str, fmt: str = ".3f") -> str:
+        x = r.get(key)
+        return _f(x * 1e3 if x is not None else None, fmt)
+
     for res in results["cases"]:
         if res["config"] != "host-overhead":
             continue
         for impl, r in res["impls"].items():
             if r.get("status") != "ok":
-                rows.append([res["case"], impl, "", _note(notes, res, impl, r)] + [""] * 4)
+                rows.append([res["case"], impl, "", _note(notes, res, impl, r)] + [""] * 9)
                 continue
             rows.append(
                 [
                     res["case"],
                     impl,
                     str(res["layers"] + 1),
-                    _f(r["median_s"] * 1e3, ".1f"),
-                    _f(r["s_per_unit_step"] * 1e3 if "s_per_unit_step" in r else None, ".3f"),
-                    _f(
-                        r["overhead_s_per_unit_step"] * 1e3
-                        if "overhead_s_per_unit_step" in r
-                        else None,
-                        ".3f",
-                    ),
-                    _ratio(r.get("ratio_vs_fsdp2")),
-                    _f(r["cpu_s_per_step"] * 1e3, ".1f"),
+                    ms(r, "median_s", ".1f"),
+                    ms(r, "fwd_bwd_median_s", ".1f"),
+                    ms(r, "optim_median_s", ".1f"),
+                    ms(r, "overhead_s_per_unit_step"),
+                    _ratio(r.get("overhead_ratio_vs_fsdp2")),
+                    ms(r, "engine_overhead_s_per_unit_step"),
+                    _ratio(r.get("engine_overhead_ratio_vs_fsdp2")),
+                    ms(r, "optim_overhead_s_per_unit_step"),
+                    _ratio(r.get("optim_overhead_ratio_vs_fsdp2")),
+                    ms(r, "cpu_s_per_step", ".1f"),
                 ]
             )
-    return _table(headers, rows, markdown, right=set(range(2, 8)))
+    return _table(headers, rows, markdown, right=set(range(2, 13)))
+
+
+def offload_table(results: dict, markdown: bool = False) -> str:
+    """Offload cases: every run against hyperfsdp without offload, DDP and the floor."""
+    headers = [
+        "case",
+        "impl",
+        "median s",
+        "x hyperfsdp no offload",
+        "xDDP",
+        "xfloor",
+        "CPU s/step",
+        "peak RSS MiB",
+        "peak heap MiB",
+        "status",
+    ]
+    rows = []
+    for res in results["cases"]:
+        if res["config"] != "offload":
+            continue
+        imp = res["impls"]
+        ok = {k: v for k, v in imp.items() if v.get("status") == "ok"}
+        base, ddp, floor = ok.get("hyperfsdp-no-offload"), ok.get("ddp"), ok.get("floor")
+        for impl, r in imp.items():
+            if r.get("status") != "ok":
+                status = (r.get("status") or "?").strip().splitlines()[0]
+                rows.append([res["case"], impl] + ["-"] * 7 + [status[:90]])
+                continue
+            peak = max((x for x in r["peak_rss_bytes"] if x), default=None)
+            heap = max((x for x in r.get("peak_heap_bytes", []) if x), default=None)
+
+            def rel(other: dict | None, r: dict = r) -> str:
+                return _ratio(r["median_s"] / other["median_s"]) if other else "-"
+
+            rows.append(
+                [
+                    res["case"],
+                    impl,
+                    _f(r["median_s"]),
+                    rel(base),
+                    rel(ddp),
+                    rel(floor),
+                    _f(r["cpu_s_per_step"]),
+                    _f(peak / MiB if peak else None, ".0f"),
+                    _f(heap / MiB if heap else None, ".0f"),
+                    "ok",
+                ]
+            )
+    return _table(headers, rows, markdown, right=set(range(2, 9)))
+
+
+def timeline_table(results: dict, markdown: bool = False) -> str:
+    """Cases run with ``--timeline``: where one step's heap in use peaks (rank 0)."""
+    from .timeline import summarize
+
+    headers = [
+        "case",
+        "impl",
+        "step start MiB",
+        "peak MiB",
+        "peak in",
+        "fwd peak",
+        "bwd peak",
+        "optim peak",
+        "end MiB",
+    ]
+    rows = []
+    for res in results["cases"]:
+        for impl, per_rank in (res.get("timelines") or {}).items():
+            info = summarize(per_rank[0])
+            if not info:
+                continue
+            sec = info["section_peaks"]
+
+            def mib(x) -> str:
+                return _f(x / MiB if x is not None else None, ".0f")
+
+            rows.append(
+                [
+                    res["case"],
+                    impl,
+                    mib(info["start_bytes"]),
+                    mib(info["peak_bytes"]),
+                    f"{info['peak_phase']} ({info['peak_section']})",
+                    mib(sec.get("forward")),
+                    mib(sec.get("backward")),
+                    mib(sec.get("optimizer")),
+                    mib(info["end_bytes"]),
+                ]
+            )
+    return _table(headers, rows, markdown, right={2, 3, 5, 6, 7, 8})
 
 
 def render(results: dict, markdown: bool = False) -> str:
@@ -228,7 +345,20 @@ def render(results: dict, markdown: bool = False) -> str:
     ]
     host = host_overhead_table(results, markdown, notes)
     if host.count("\n") > 1:
-        parts += ["", title("host overhead per unit (tiny blocks)"), host]
+        parts += [
+            "",
+            title(
+                "host overhead per unit (tiny blocks): step minus the floor's, and its "
+                "engine (fwd+bwd) and optimizer parts"
+            ),
+            host,
+        ]
+    offload = offload_table(results, markdown)
+    if offload.count("\n") > 1:
+        parts += ["", title("offload (CPUOffloadPolicy)"), offload]
+    timeline = timeline_table(results, markdown)
+    if timeline.count("\n") > 1:
+        parts += ["", title("memory timeline of one step (heap in use, rank 0)"), timeline]
     if notes:
         parts += ["", "notes (tracebacks in the JSON):"]
         parts += [("- " if markdown else "  ") + n for n in notes]

@@ -16,7 +16,7 @@ from pathlib import Path
 import attrs
 
 from .cases import PRESETS, Case, select_cases
-from .impls import IMPLS
+from .impls import IMPLS, family, parse_impl
 from .launch import PoolError, RankPool
 
 #: fp32 guard: hyperfsdp's warmup losses must match FSDP2's to this relative tolerance.
@@ -40,6 +40,8 @@ class Options:
     json_path: Path | None = None
     markdown_path: Path | None = None
     timeout: float = 900.0
+    timeline: bool = False  # record a memory timeline of one step per implementation
+    charts_dir: Path | None = None  # draw PNG charts there after the run
 
 
 def _quantile(xs: Sequence[float], q: float) -> float:
@@ -56,10 +58,16 @@ def _summarize(runs: list[list[dict]], setup: list[dict], steps: int) -> dict:
     wall: list[float] = []  # per step: the slowest rank (ranks are coupled by collectives)
     cpu: list[float] = []  # per step: CPU seconds of one rank process, mean over ranks
     cpu_total: list[float] = []  # per step: summed over ranks
+    fwd_bwd: list[float] = []  # per step: zero_grad + forward + backward, slowest rank
+    optim: list[float] = []  # per step: optimizer.step(), slowest rank
     round_medians = []
     for per_rank in runs:
         w = [max(r["wall"][i] for r in per_rank) for i in range(len(per_rank[0]["wall"]))]
         c = [sum(r["cpu"][i] for r in per_rank) for i in range(len(per_rank[0]["cpu"]))]
+        if "fwd_bwd" in per_rank[0]:
+            n_steps = len(per_rank[0]["fwd_bwd"])
+            fwd_bwd += [max(r["fwd_bwd"][i] for r in per_rank) for i in range(n_steps)]
+            optim += [max(r["optim"][i] for r in per_rank) for i in range(n_steps)]
         wall += w
         cpu_total += c
         cpu += [x / len(per_rank) for x in c]
@@ -85,6 +93,8 @@ def _summarize(runs: list[list[dict]], setup: list[dict], steps: int) -> dict:
         "min_s": min(wall),
         "mean_s": statistics.fmean(wall),
         "round_medians_s": round_medians,
+        "fwd_bwd_median_s": statistics.median(fwd_bwd) if fwd_bwd else None,
+        "optim_median_s": statistics.median(optim) if optim else None,
         "cpu_s_per_step": statistics.median(cpu),
         "cpu_s_per_step_all_ranks": statistics.median(cpu_total),
         "wall_s": wall,
@@ -123,32 +133,83 @@ def _summarize(runs: list[list[dict]], setup: list[dict], steps: int) -> dict:
     return out
 
 
+def reference_candidates(impl: str, config: str) -> tuple[str, ...]:
+    """Which FSDP2 run an implementation is compared with, in order of preference.
+
+    Its own family (``-foreach`` with ``fsdp2-foreach``); in the ``offload``
+    configuration FSDP2 with offload (``CPUOffloadPolicy()``, refused without an
+    accelerator, then ``pin_memory=False``), or FSDP2 without offload for the runs
+    without it (DDP and the floor included).
+    """
+    base, variant = parse_impl(impl)
+    if config == "offload":
+        if variant == "no-offload" or base in ("ddp", "floor"):
+            return ("fsdp2-no-offload",)
+        return ("fsdp2", "fsdp2-unpinned")
+    fam = family(impl)
+    return ("fsdp2" + fam, "fsdp2") if fam else ("fsdp2",)
+
+
+def reference_for(impl: str, config: str, available) -> str | None:
+    """The first of :func:`reference_candidates` in ``available`` (never ``impl`` itself)."""
+    for cand in reference_candidates(impl, config):
+        if cand in available and cand != impl:
+            return cand
+    return None
+
+
+def floor_for(impl: str, available) -> str | None:
+    """The compute-only floor an implementation's overhead is measured against."""
+    for cand in ("floor" + family(impl), "floor"):
+        if cand in available:
+            return cand
+    return None
+
+
+def guard_references(impls: Sequence[str], config: str) -> list[str]:
+    """FSDP2 runs the loss guard needs that ``impls`` lacks (run untimed)."""
+    extra: list[str] = []
+    for impl in impls:
+        if not impl.startswith("hyperfsdp"):
+            continue
+        cands = reference_candidates(impl, config)
+        if not any(c in impls or c in extra for c in cands):
+            extra.append(cands[-1])  # the one that runs anywhere
+    return extra
+
+
 def _loss_check(case: Case, setups: dict[str, list[dict]]) -> dict:
     """Compare hyperfsdp's warmup losses with FSDP2's (and DDP's, for information)."""
     spec = case.spec()
     rtol = BF16_LOSS_RTOL if spec.precision == "bf16" else LOSS_RTOL
-    ref = setups.get("fsdp2")
-    result: dict = {"rtol": rtol, "reference": "fsdp2", "compared": {}}
-    if ref is None:
-        result["status"] = "skipped (no fsdp2 reference)"
-        return result
+    result: dict = {"rtol": rtol, "reference": "fsdp2", "compared": {}, "references": {}}
     if not any(i.startswith("hyperfsdp") for i in setups):
         result["status"] = "skipped (hyperfsdp did not run)"
         return result
     ok = True
-    for impl in ("hyperfsdp", "hyperfsdp-tuned", "ddp"):
-        other = setups.get(impl)
-        if other is None:
+    checked = False
+    for impl in setups:
+        if parse_impl(impl)[0] not in ("hyperfsdp", "ddp"):
             continue
+        ref_name = reference_for(impl, case.config, setups)
+        if ref_name is None:
+            continue
+        ref, other = setups[ref_name], setups[impl]
         worst = 0.0
         for a_rank, b_rank in zip(other, ref):
             for a, b in zip(a_rank["warmup_losses"], b_rank["warmup_losses"]):
                 diff = abs(a - b) / max(1.0, abs(b)) if math.isfinite(a) else math.inf
                 worst = max(worst, diff)
         result["compared"][impl] = worst
-        if impl.startswith("hyperfsdp") and not worst <= rtol:
-            ok = False
-            result.setdefault("failed", []).append(impl)
+        result["references"][impl] = ref_name
+        if impl.startswith("hyperfsdp"):
+            checked = True
+            if not worst <= rtol:
+                ok = False
+                result.setdefault("failed", []).append(impl)
+    if not checked:
+        result["status"] = "skipped (no fsdp2 reference)"
+        return result
     result["status"] = "ok" if ok else "mismatch"
     return result
 
@@ -161,10 +222,8 @@ def run_case(case: Case, opts: Options, log: Callable[[str], None]) -> dict:
     rounds = max(1, min(opts.rounds or preset.rounds, steps))
     warmup = opts.warmup if opts.warmup is not None else preset.warmup
     impls = list(case.impls(opts.impls))
-    guard_only = []
-    if opts.check and any(i.startswith("hyperfsdp") for i in impls) and "fsdp2" not in impls:
-        impls.append("fsdp2")  # the loss guard needs a reference; not timed
-        guard_only.append("fsdp2")
+    guard_only = guard_references(impls, case.config) if opts.check else []
+    impls += guard_only  # the loss guard needs a reference; not timed
     spec = case.spec()
     result: dict = {
         "case": case.name,
@@ -200,6 +259,16 @@ def run_case(case: Case, opts: Options, log: Callable[[str], None]) -> dict:
             except PoolError as exc:
                 result["impls"][impl] = _error(exc)
                 log(f"    {impl}: ERROR {exc}")
+        if opts.timeline:
+            for impl in list(setups):
+                try:
+                    result.setdefault("timelines", {})[impl] = pools[impl].call(
+                        "timeline", timeout=opts.timeout
+                    )
+                except PoolError as exc:
+                    result["impls"][impl] = _error(exc)
+                    setups.pop(impl)
+                    log(f"    {impl}: timeline ERROR {exc}")
         check = _loss_check(case, setups) if opts.check else {"status": "disabled"}
         result["loss_check"] = check
         timed = [i for i in impls if i in setups and i not in guard_only]
@@ -237,27 +306,59 @@ def run_case(case: Case, opts: Options, log: Callable[[str], None]) -> dict:
 
 
 def _error(exc: PoolError) -> dict:
-    return {"status": f"error: {exc}", "details": exc.details}
+    text = str(exc)
+    if "Refused: " in text:  # the implementation declines this configuration (impls.Refused)
+        return {"status": "refused: " + text.split("Refused: ", 1)[1], "details": exc.details}
+    return {"status": f"error: {text}", "details": exc.details}
 
 
 def _add_ratios(result: dict) -> None:
     impls = result["impls"]
     ok = {k: v for k, v in impls.items() if v.get("status") == "ok"}
-    ref, floor = ok.get("fsdp2"), ok.get("floor")
-    for r in ok.values():
+    units = result["layers"] + 1  # one unit per block plus the root (floor: same modules)
+    host = result["config"] == "host-overhead"
+    for name, r in ok.items():
+        ref_name = reference_for(name, result["config"], ok)
+        floor_name = floor_for(name, ok)
+        ref = ok.get(ref_name) if ref_name is not None else None
+        floor = ok.get(floor_name) if floor_name is not None else None
+        if name.startswith("fsdp2") and ref is None:
+            ref, ref_name = r, name  # FSDP2 itself (or a variant without its own reference)
         if ref is not None:
+            r["reference"] = ref_name
             r["ratio_vs_fsdp2"] = r["median_s"] / ref["median_s"]
             r["cpu_ratio_vs_fsdp2"] = r["cpu_s_per_step"] / ref["cpu_s_per_step"]
             r["round_ratios_vs_fsdp2"] = [
                 a / b for a, b in zip(r["round_medians_s"], ref["round_medians_s"])
             ]
         if floor is not None:
+            r["floor"] = floor_name
             r["ratio_vs_floor"] = r["median_s"] / floor["median_s"]
-        units = result["layers"] + 1  # one unit per block plus the root (floor: same modules)
-        if result["config"] == "host-overhead":
-            r["s_per_unit_step"] = r["median_s"] / units
-            if floor is not None:
-                r["overhead_s_per_unit_step"] = (r["median_s"] - floor["median_s"]) / units
+        if not host:
+            continue
+        r["s_per_unit_step"] = r["median_s"] / units
+        if floor is None:
+            continue
+        r["overhead_s_per_unit_step"] = (r["median_s"] - floor["median_s"]) / units
+        if r.get("fwd_bwd_median_s") is not None and floor.get("fwd_bwd_median_s") is not None:
+            r["engine_overhead_s_per_unit_step"] = (
+                r["fwd_bwd_median_s"] - floor["fwd_bwd_median_s"]
+            ) / units
+            r["optim_overhead_s_per_unit_step"] = (
+                r["optim_median_s"] - floor["optim_median_s"]
+            ) / units
+    if host:  # overhead ratios against the reference's overhead
+        for r in ok.values():
+            ref = ok.get(r.get("reference", ""))
+            if ref is None:
+                continue
+            for key in (
+                "overhead_s_per_unit_step",
+                "engine_overhead_s_per_unit_step",
+                "optim_overhead_s_per_unit_step",
+            ):
+                if r.get(key) is not None and ref.get(key):
+                    r[key.replace("_s_per_unit_step", "_ratio_vs_fsdp2")] = r[key] / ref[key]
 
 
 # -- the whole run -----------------------------------------------------------------------------------
@@ -364,7 +465,47 @@ def run(opts: Options, argv: Sequence[str] | None = None) -> dict:
         opts.markdown_path.parent.mkdir(parents=True, exist_ok=True)
         opts.markdown_path.write_text(report.render(results, markdown=True) + "\n")
         print(f"markdown: {opts.markdown_path}")
+    if opts.charts_dir is not None:
+        _draw(results, opts.charts_dir)
     return results
+
+
+def merge_results(loaded: Sequence[dict]) -> dict:
+    """Several results files as one (a case in a later file replaces the same case)."""
+    if not loaded:
+        raise ValueError("no results to merge")
+    merged = dict(loaded[-1])
+    cases: dict[str, dict] = {}
+    for results in loaded:
+        for case in results.get("cases", []):
+            cases.pop(case["key"], None)
+            cases[case["key"]] = case
+    merged["cases"] = list(cases.values())
+    if len(loaded) > 1:
+        merged["merged_from"] = [r.get("command") for r in loaded]
+    return merged
+
+
+def replot(paths: Sequence[Path], opts: Options) -> int:
+    """``--replot``: the tables and charts of earlier results, without running anything."""
+    from . import report
+
+    results = merge_results([json.loads(Path(p).read_text()) for p in paths])
+    print(report.render(results))
+    if opts.markdown_path is not None:
+        opts.markdown_path.parent.mkdir(parents=True, exist_ok=True)
+        opts.markdown_path.write_text(report.render(results, markdown=True) + "\n")
+        print(f"markdown: {opts.markdown_path}")
+    if opts.charts_dir is not None:
+        _draw(results, opts.charts_dir)
+    return 0
+
+
+def _draw(results: dict, directory: Path) -> None:
+    from . import charts
+
+    for path in charts.draw_all(results, directory):
+        print(f"chart: {path}")
 
 
 def _write_json(path: Path, results: dict) -> None:

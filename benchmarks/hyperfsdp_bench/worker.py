@@ -29,9 +29,9 @@ def worker_main(impl: str, rank: int, world: int, store_path: str, threads: int,
     counter = CollectiveCounter()
     counter.install()
     try:
-        from .impls import DISTRIBUTED
+        from .impls import is_distributed
 
-        if impl in DISTRIBUTED:
+        if is_distributed(impl):
             import torch.distributed as dist
 
             store = dist.FileStore(store_path, world)
@@ -98,7 +98,7 @@ class Runner:
         counter.install()
         self.batches = make_batches(spec.model, spec.seed, impls.data_rank(spec, self.rank), 8)
         build_s = time.perf_counter() - t0
-        losses = [self._step() for _ in range(max(warmup, 1))]
+        losses = [self._step()[0] for _ in range(max(warmup, 1))]
         model = self.built.model
         info = {
             "rank": self.rank,
@@ -134,19 +134,24 @@ class Runner:
 
         calls0, bytes0 = self.counter.snapshot()
         comm_stats0 = self._comm_stats()
-        wall, cpu, losses = [], [], []
+        wall, cpu, losses, fwd_bwd, optim = [], [], [], [], []
         perf, proc = time.perf_counter, time.process_time
         for _ in range(steps):
             c0, t0 = proc(), perf()
-            losses.append(self._step())
+            loss, t_opt = self._step()
             t1, c1 = perf(), proc()
+            losses.append(loss)
             wall.append(t1 - t0)
             cpu.append(c1 - c0)
+            fwd_bwd.append(t_opt - t0)
+            optim.append(t1 - t_opt)
         calls1, bytes1 = self.counter.snapshot()
         comm_stats1 = self._comm_stats()
         out = {
             "wall": wall,
             "cpu": cpu,
+            "fwd_bwd": fwd_bwd,  # zero_grad + forward + backward
+            "optim": optim,  # optimizer.step()
             "losses": losses,
             "calls": measure.diff(calls1, calls0),
             "bytes": measure.diff(bytes1, bytes0),
@@ -183,11 +188,22 @@ class Runner:
         prof.dump_stats(path.format(impl=self.impl, rank=self.rank))
         return out
 
+    def timeline(self) -> dict:
+        """One untimed step with the heap sampled and forward/backward/optimizer marked."""
+        from .timeline import record_step
+
+        batch = self.batches[self.step_index % len(self.batches)]
+        self.step_index += 1
+        out = record_step(self.built, batch, self.counter)
+        out["rank"] = self.rank
+        return out
+
     def pid(self) -> int:
         return os.getpid()
 
     # -- one training step ---------------------------------------------------------------------
-    def _step(self) -> float:
+    def _step(self) -> tuple[float, float]:
+        """One step; returns the loss and when (``perf_counter``) the optimizer step began."""
         built = self.built
         tokens, targets = self.batches[self.step_index % len(self.batches)]
         self.step_index += 1
@@ -195,8 +211,9 @@ class Runner:
         with built.autocast():
             loss = built.model(tokens, targets)
         loss.backward()
+        t_opt = time.perf_counter()
         built.optimizer.step()
-        return float(loss.detach())
+        return float(loss.detach()), t_opt
 
     def _comm(self):
         if self.impl != "hyperfsdp" or self.built is None:

@@ -1,0 +1,253 @@
+"""The benchmark suite's logic (no timing): case selection, references, ratios, timelines,
+chart data and tables, on made-up results."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from hyperfsdp_core.bench import benchmarks_dir
+
+sys.path.insert(0, str(benchmarks_dir()))
+
+from hyperfsdp_bench import charts, report, suite, timeline
+from hyperfsdp_bench.cases import PRESETS, Case, select_cases
+from hyperfsdp_bench.impls import family, is_distributed, parse_impl
+
+MiB = 1024 * 1024
+
+
+def test_parse_impl_and_families():
+    assert parse_impl("hyperfsdp") == ("hyperfsdp", "")
+    assert parse_impl("fsdp2-foreach") == ("fsdp2", "foreach")
+    assert parse_impl("hyperfsdp-no-offload") == ("hyperfsdp", "no-offload")
+    assert parse_impl("fsdp2-unpinned") == ("fsdp2", "unpinned")
+    assert family("floor-foreach") == "-foreach" and family("hyperfsdp-tuned") == ""
+    assert is_distributed("ddp-foreach") and not is_distributed("floor-foreach")
+    with pytest.raises(ValueError, match="unknown implementation"):
+        parse_impl("deepspeed")
+
+
+def test_case_impls_per_config():
+    main = ("hyperfsdp", "fsdp2", "ddp", "floor")
+    assert Case("offload", 2, 8).impls(main) == (
+        *main,
+        "hyperfsdp-no-offload",
+        "fsdp2-unpinned",
+        "fsdp2-no-offload",
+    )
+    assert Case("even", 2, 8).impls((*main, "fsdp2-unpinned")) == main
+    assert Case("host-overhead", 1, 64).impls((*main, "ddp-foreach", "fsdp2-foreach")) == (
+        "hyperfsdp",
+        "fsdp2",
+        "floor",
+        "fsdp2-foreach",
+    )
+    assert Case("tp", 4, 8).impls(main) == ("hyperfsdp", "fsdp2")
+
+
+def test_new_configs_and_presets():
+    spec = Case("param-heavy", 2, 8).spec()
+    assert (spec.model.dim, spec.model.n_layers, spec.model.batch, spec.model.seq_len) == (
+        1024,
+        8,
+        1,
+        64,
+    )
+    assert spec.model.dim % spec.model.n_heads == 0
+    assert 100e6 < spec.model.n_params < 140e6
+    assert Case("offload", 2, 8).spec().offload and not Case("even", 2, 8).spec().offload
+    quick = {c.name for c in PRESETS["quick"].cases}
+    assert {"param-heavy w2 L8", "offload w2 L8"} <= quick
+    scaling = {(c.world, c.layers) for c in PRESETS["scaling"].cases}
+    assert scaling == {(2, 4), (2, 8), (2, 16), (2, 32), (1, 8), (4, 8)}
+    assert [c.name for c in select_cases(PRESETS["quick"], ["param-heavy"], None, None)] == [
+        "param-heavy w2 L8"
+    ]
+
+
+def test_references_and_guard():
+    ok = {"hyperfsdp", "fsdp2", "fsdp2-foreach", "floor", "floor-foreach", "hyperfsdp-foreach"}
+    assert suite.reference_for("hyperfsdp", "even", ok) == "fsdp2"
+    assert suite.reference_for("hyperfsdp-foreach", "even", ok) == "fsdp2-foreach"
+    assert suite.reference_for("fsdp2-foreach", "even", ok) == "fsdp2"  # not itself
+    assert suite.floor_for("hyperfsdp-foreach", ok) == "floor-foreach"
+    assert suite.floor_for("hyperfsdp-foreach", {"floor"}) == "floor"
+    # offload: FSDP2's own offload when it ran, else its unpinned offload
+    off = {"hyperfsdp", "fsdp2-unpinned", "fsdp2-no-offload", "hyperfsdp-no-offload", "ddp"}
+    assert suite.reference_for("hyperfsdp", "offload", off) == "fsdp2-unpinned"
+    assert suite.reference_for("hyperfsdp", "offload", off | {"fsdp2"}) == "fsdp2"
+    assert suite.reference_for("hyperfsdp-no-offload", "offload", off) == "fsdp2-no-offload"
+    assert suite.reference_for("ddp", "offload", off) == "fsdp2-no-offload"
+    # the loss guard's untimed references
+    assert suite.guard_references(["hyperfsdp"], "even") == ["fsdp2"]
+    assert suite.guard_references(["hyperfsdp", "fsdp2"], "even") == []
+    assert suite.guard_references(["hyperfsdp-foreach", "fsdp2"], "even") == []
+    assert suite.guard_references(["hyperfsdp", "hyperfsdp-no-offload"], "offload") == [
+        "fsdp2-unpinned",
+        "fsdp2-no-offload",
+    ]
+
+
+def _impl(median, fwd_bwd, optim, **extra):
+    return {
+        "status": "ok",
+        "median_s": median,
+        "fwd_bwd_median_s": fwd_bwd,
+        "optim_median_s": optim,
+        "cpu_s_per_step": median,
+        "round_medians_s": [median, median],
+        "peak_rss_bytes": [600 * MiB, 610 * MiB],
+        "peak_heap_bytes": [300 * MiB, 290 * MiB],
+        "live_bytes": [80 * MiB],
+        "padding_bytes": [0],
+        "collectives_per_step": 26,
+        "bytes_per_step": 100 * MiB,
+        "p90_s": median,
+        **extra,
+    }
+
+
+def test_host_overhead_breakdown():
+    res = {
+        "case": "host-overhead w1 L64",
+        "config": "host-overhead",
+        "world_size": 1,
+        "layers": 64,
+        "impls": {
+            "hyperfsdp": _impl(0.160, 0.065, 0.095),
+            "fsdp2": _impl(0.200, 0.104, 0.096),
+            "floor": _impl(0.065, 0.039, 0.026),
+            "floor-foreach": _impl(0.060, 0.039, 0.021),
+            "fsdp2-foreach": _impl(0.140, 0.104, 0.036),
+            "fsdp2-unpinned": {"status": "refused: no accelerator"},
+        },
+    }
+    suite._add_ratios(res)
+    h, f, ff = res["impls"]["hyperfsdp"], res["impls"]["fsdp2"], res["impls"]["fsdp2-foreach"]
+    assert h["overhead_s_per_unit_step"] == pytest.approx((0.160 - 0.065) / 65)
+    assert h["engine_overhead_s_per_unit_step"] == pytest.approx((0.065 - 0.039) / 65)
+    assert h["optim_overhead_s_per_unit_step"] == pytest.approx((0.095 - 0.026) / 65)
+    assert h["engine_overhead_ratio_vs_fsdp2"] == pytest.approx(26 / 65)
+    assert h["optim_overhead_ratio_vs_fsdp2"] == pytest.approx(69 / 70)
+    assert f["ratio_vs_fsdp2"] == 1.0 and f["reference"] == "fsdp2"
+    # a foreach run: against the foreach floor, and compared with FSDP2's default run
+    assert ff["floor"] == "floor-foreach" and ff["reference"] == "fsdp2"
+    assert ff["optim_overhead_s_per_unit_step"] == pytest.approx(0.015 / 65)
+    text = report.render(
+        {
+            "cases": [res],
+            "options": {"steps": 1, "rounds": 1, "threads_per_rank": 1},
+            "machine": {},
+        }
+    )
+    assert "engine ms/unit" in text and "optimizer ms/unit" in text
+    assert "refused [1]" in text and "[1] host-overhead w1 L64 fsdp2-unpinned: refused" in text
+
+
+def _timeline():
+    markers = [
+        (0.0, "phase", "zero_grad"),
+        (0.001, "fwd", "root"),
+        (0.002, "fwd", "L0"),
+        (0.003, "coll", "all_gather_into_tensor 1024"),
+        (0.010, "fwd", "L1"),
+        (0.020, "bwd", "root"),
+        (0.030, "bwd", "L1"),
+        (0.040, "bwd", "L0"),
+        (0.050, "phase", "backward end"),
+        (0.050, "phase", "optimizer"),
+        (0.060, "phase", "step end"),
+    ]
+    samples = [
+        (0.0, 100 * MiB),
+        (0.005, 120 * MiB),
+        (0.022, 180 * MiB),
+        (0.035, 150 * MiB),
+        (0.055, 160 * MiB),
+        (0.061, 110 * MiB),
+    ]
+    return {"samples": samples, "markers": markers}
+
+
+def test_timeline_summary():
+    tl = _timeline()
+    assert timeline.phase_of(tl["markers"], 0.0035) == "fwd L0"  # collectives do not count
+    assert timeline.phase_of(tl["markers"], 0.055) == "optimizer"
+    assert timeline.section_of(tl["markers"], 0.0) == "zero_grad"
+    assert timeline.section_of(tl["markers"], 0.035) == "backward"
+    info = timeline.summarize(tl)
+    assert info["peak_bytes"] == 180 * MiB and info["peak_phase"] == "bwd root"
+    assert info["section_peaks"] == {
+        "zero_grad": 100 * MiB,
+        "forward": 120 * MiB,
+        "backward": 180 * MiB,
+        "optimizer": 160 * MiB,
+        "end": 110 * MiB,
+    }
+    assert info["collectives_issued_before_peak"] == ["all_gather_into_tensor 1024"]
+    series = charts.timeline_series([tl])
+    assert series["t_ms"][2] == pytest.approx(22.0) and series["mib"][2] == 180
+    assert [m[1] for m in series["marks"]["bwd"]] == ["root", "L1", "L0"]
+    assert series["marks"]["gather"] == [(3.0, "all_gather_into_tensor 1024")]
+    assert series["marks"]["optimizer"] == [(50.0, "optimizer")]
+
+
+def _case(config, world, layers, times):
+    return {
+        "case": f"{config} w{world} L{layers}",
+        "key": f"{config}-w{world}-l{layers}",
+        "config": config,
+        "world_size": world,
+        "layers": layers,
+        "impls": {impl: _impl(t, t, 0.0) for impl, t in times.items()},
+    }
+
+
+def test_scaling_data():
+    results = {
+        "cases": [
+            _case("even", 2, 4, {"hyperfsdp": 0.3, "fsdp2": 0.35, "ddp": 0.25}),
+            _case("even", 2, 8, {"hyperfsdp": 0.5, "fsdp2": 0.6, "ddp": 0.4}),
+            _case("even", 2, 16, {"hyperfsdp": 0.9, "fsdp2": 1.0}),
+            _case("even", 4, 8, {"hyperfsdp": 1.0, "fsdp2": 1.2}),
+            _case("uneven", 2, 8, {"hyperfsdp": 9.0}),
+        ]
+    }
+    results["cases"][2]["impls"]["ddp"] = {"status": "error: boom"}
+    data = charts.scaling_data(results)
+    layers = data["layers"]
+    assert layers["x"] == [4, 8, 16] and layers["fixed"] == 2
+    assert list(layers["impls"]) == ["hyperfsdp", "fsdp2", "ddp"]
+    assert layers["impls"]["hyperfsdp"]["time"] == [0.3, 0.5, 0.9]
+    assert layers["impls"]["ddp"]["time"] == [0.25, 0.4, None]
+    assert layers["impls"]["fsdp2"]["rss"] == [610, 610, 610]
+    assert layers["impls"]["fsdp2"]["heap"] == [300, 300, 300]
+    assert data["world"]["x"] == [2, 4]
+    assert charts.scaling_data({"cases": results["cases"][:1]}) == {}
+
+
+def test_merge_results_later_wins():
+    a = {"command": "a", "cases": [_case("even", 2, 4, {"hyperfsdp": 1.0})]}
+    b = {
+        "command": "b",
+        "cases": [_case("even", 2, 4, {"hyperfsdp": 2.0}), _case("even", 2, 8, {})],
+    }
+    merged = suite.merge_results([a, b])
+    assert [c["key"] for c in merged["cases"]] == ["even-w2-l4", "even-w2-l8"]
+    assert merged["cases"][0]["impls"]["hyperfsdp"]["median_s"] == 2.0
+    assert merged["merged_from"] == ["a", "b"]
+
+
+def test_charts_are_drawn(tmp_path):
+    pytest.importorskip("matplotlib")
+    case = _case("even", 2, 4, {"hyperfsdp": 0.3, "fsdp2": 0.35})
+    case["timelines"] = {"hyperfsdp": [_timeline()], "fsdp2": [_timeline()]}
+    results = {"cases": [case, _case("even", 2, 8, {"hyperfsdp": 0.5, "fsdp2": 0.6})]}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(results))
+    paths = charts.draw_all(json.loads(path.read_text()), tmp_path / "out")
+    assert sorted(p.name for p in paths) == ["scaling-layers.png", "timeline-even-w2-l4.png"]
+    assert all(p.stat().st_size > 10_000 for p in paths)
