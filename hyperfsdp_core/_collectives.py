@@ -9,7 +9,9 @@ on accelerators collectives run on dedicated streams ordered by events (no
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from functools import partial
 
 import attrs
 import torch
@@ -22,6 +24,62 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_reduce = dist.all_reduce
 _broadcast = dist.broadcast
+
+#: On gloo (CPU) the core's all-gathers and reduce-scatters are all-reduces, in place:
+#: gloo's ``all_gather_into_tensor`` (and its list form) gathers into a full-size buffer of
+#: its own and copies out of it, and its ``reduce_scatter_tensor`` is a full-size clone of
+#: the input, an all-reduce of the clone and a copy of this rank's chunk. See
+#: ``_all_gather_by_all_reduce`` and ``_reduce_scatter_in_place``; both give the native
+#: collectives' results bit for bit. ``HYPERFSDP_GLOO_NATIVE_COLLECTIVES=1`` (read when a
+#: root's communication state is created) uses gloo's own instead.
+GLOO_ALL_REDUCE = os.environ.get("HYPERFSDP_GLOO_NATIVE_COLLECTIVES", "") != "1"
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as integers gloo can sum (it has no 16-bit integer type)."""
+    if (t.numel() * t.element_size()) % 4 == 0:
+        try:
+            return t.view(torch.int32)
+        except RuntimeError:  # storage offset not 4-byte aligned
+            pass
+    return t.view(torch.uint8)
+
+
+def _all_gather_by_all_reduce(buffer: torch.Tensor, group, async_op: bool):
+    """All-gather as an all-reduce: every rank has written its part of ``buffer`` and
+    zeroed the rest. The sum runs on the bit patterns as integers, so every value, -0.0
+    and NaN payloads included, arrives exactly as sent; the layout is the caller's (the
+    unsharded parameters' own), and gloo allocates nothing of the buffer's size."""
+    return dist.all_reduce(_bits(buffer), op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+class _CopyAfterWait:
+    """A work handle that runs ``then`` once, after the wrapped work completes."""
+
+    __slots__ = ("_then", "_work")
+
+    def __init__(self, work, then: Callable[[], object]) -> None:
+        self._work = work
+        self._then = then
+
+    def wait(self, timeout=None) -> bool:
+        work, then = self._work, self._then
+        if work is not None:
+            self._work = self._then = None
+            work.wait()
+            then()
+        return True
+
+
+def _reduce_scatter_in_place(output: torch.Tensor, input: torch.Tensor, op, group, async_op):
+    """gloo's ``reduce_scatter_tensor`` without its clone: the same all-reduce, in place on
+    ``input`` (the caller gives it up), then this rank's chunk copied to ``output``."""
+    work = dist.all_reduce(input, op=op, group=group, async_op=async_op)
+    chunk = input.view(dist.get_world_size(group), -1)[dist.get_rank(group)]
+    if work is None:
+        output.copy_(chunk)
+        return None
+    return _CopyAfterWait(work, partial(output.copy_, chunk))
 
 
 @attrs.define
@@ -131,6 +189,9 @@ class Comm:
         self.pools = (
             {"gather": BufferPool(device), "reduce": BufferPool(device)} if self.is_cpu else None
         )
+        #: all-gathers and reduce-scatters as in-place all-reduces on gloo groups
+        self.gloo_all_reduce = self.is_cpu and GLOO_ALL_REDUCE
+        self._is_gloo: dict = {}  # group -> whether its backend is gloo
         self.all_gather_stream = self.reduce_stream = None
         if not self.is_cpu:
             self._module = torch.get_device_module(device.type)
@@ -163,6 +224,16 @@ class Comm:
     def pooled_bytes(self) -> int:
         return sum(p.nbytes for p in self.pools.values()) if self.pools is not None else 0
 
+    def uses_all_reduce(self, group) -> bool:
+        """Whether collectives over ``group`` are in-place all-reduces (gloo, see
+        ``GLOO_ALL_REDUCE``)."""
+        if not self.gloo_all_reduce:
+            return False
+        known = self._is_gloo.get(group)
+        if known is None:
+            known = self._is_gloo[group] = dist.get_backend(group) == "gloo"
+        return known
+
     # -- collectives ---------------------------------------------------------------------
     # ``custom`` is an FSDP2-style comm object (``set_custom_all_gather`` /
     # ``set_custom_reduce_scatter``): ``custom(output, input, group, [op,] async_op=...)``.
@@ -182,15 +253,37 @@ class Comm:
             call = lambda: _all_gather(out, inp, group=group, async_op=self.is_cpu)  # noqa: E731
         return self._issue(self.all_gather_stream, call, (out, inp), prepare)
 
+    def all_gather_in_place(self, buffer: torch.Tensor, group, *, unit=None, prepare) -> Handle:
+        """All-gather into ``buffer`` in its own layout (``uses_all_reduce(group)`` only):
+        ``prepare`` writes this rank's parts and zeroes the rest, then an all-reduce."""
+        self.stats.all_gathers += 1
+        self.stats.all_gather_bytes += buffer.numel() * buffer.element_size()
+        if self.observers:
+            self._observe("all_gather", group, buffer, unit)
+        call = lambda: _all_gather_by_all_reduce(buffer, group=group, async_op=True)  # noqa: E731
+        return self._issue(None, call, (buffer,), prepare)
+
     def reduce_scatter(
-        self, out: torch.Tensor, inp: torch.Tensor, group, op, custom=None, *, unit=None
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        group,
+        op,
+        custom=None,
+        *,
+        unit=None,
+        scratch_input: bool = False,
     ) -> Handle:
+        """Reduce-scatter ``inp`` into ``out``. ``scratch_input``: the caller gives ``inp``
+        up (it may be overwritten), so on gloo the all-reduce runs in place on it."""
         self.stats.reduce_scatters += 1
         self.stats.reduce_scatter_bytes += inp.numel() * inp.element_size()
         if self.observers:
             self._observe("reduce_scatter", group, inp, unit)
         if custom is not None:
             call = lambda: custom(out, inp, group, op, async_op=self.is_cpu)  # noqa: E731
+        elif scratch_input and inp.is_contiguous() and self.uses_all_reduce(group):
+            call = lambda: _reduce_scatter_in_place(out, inp, op=op, group=group, async_op=True)  # noqa: E731
         else:
             call = lambda: _reduce_scatter(out, inp, op=op, group=group, async_op=self.is_cpu)  # noqa: E731
         return self._issue(self.reduce_stream, call, (out, inp))

@@ -93,6 +93,9 @@ class Bucket:
         self.divide_factor: float = float(self.mesh_info.dp_size)
         self.reduce_key: tuple[bool, ...] | None = None  # see reduction.reduce_plan
         self.reduce_plan = None
+        # all-gather by all-reduce (gloo): views of the unsharded buffer to zero and to
+        # fill with this rank's shards, and those shards (built at first use)
+        self._gather_views: tuple[list, list, list] | None = None
 
     @staticmethod
     def key(p: HSDPParam) -> tuple:
@@ -146,6 +149,7 @@ class Bucket:
         self.sharded_flat = flat
         self.refresh_copy_in()
         self.unsharded_flat = None
+        self._gather_views = None
         self._pf = None
         self._post_forward_shard = None
         self._post_forward_registered = False
@@ -185,8 +189,46 @@ class Bucket:
                 p.unsharded_param = nn.Parameter(view, requires_grad=p.requires_grad)
                 p.storage_owner = owner
         self.unsharded_flat = base
+        self._gather_views = None
         if owner is not StorageOwner.SHARDED_STORAGE:
             free(base)
+
+    def _fill_for_gather(self) -> None:
+        """All-gather by all-reduce: this rank's shards (cast if needed) into its rows of
+        the param-major unsharded buffer, zeros everywhere else."""
+        views = self._gather_views
+        if views is None:
+            views = self._gather_views = self._build_gather_views()
+        zero, own, src = views
+        if zero:
+            torch._foreach_zero_(zero)
+        torch._foreach_copy_(own, src)
+
+    def _build_gather_views(self) -> tuple[list, list, list]:
+        flat, sharded = self.unsharded_flat, self.sharded_flat
+        assert flat is not None and sharded is not None
+        world, rank = self.world, self.mesh_info.shard_rank
+        zero: list[torch.Tensor] = []
+        own: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        for p, seg in zip(self.params, self.segments):
+            region = flat[world * seg.offset : world * (seg.offset + seg.numel)]
+            shard = sharded[seg.offset : seg.offset + seg.numel]
+            if p.shard_dim == 0:  # rank r's padded shard is row r (as in _copy_out)
+                rows = region.view(world, seg.numel)
+                own.append(rows[rank])
+                src.append(shard)
+                parts = (rows[:rank], rows[rank + 1 :])
+            else:  # chunk r of dim `dim` (even by construction)
+                lay = p.layout
+                pre = math.prod(lay.global_shape[: lay.dim])
+                post = math.prod(lay.global_shape[lay.dim + 1 :])
+                grid = region.view(pre, world, lay.chunk, post)
+                own.append(grid[:, rank])
+                src.append(shard.view(pre, lay.chunk, post))
+                parts = (grid[:, :rank], grid[:, rank + 1 :])
+            zero += [t for t in parts if t.numel()]
+        return zero, own, src
 
     # -- unshard / reshard -----------------------------------------------------------------
     @property
@@ -222,6 +264,14 @@ class Bucket:
             self.pending = comm.all_gather(out, kept, pf.info.shard_group, unit=self.unit_fqn)
             return
         custom = self.custom_all_gather
+        group = self.mesh_info.shard_group
+        if custom is None and self.fill_input is None and comm.uses_all_reduce(group):
+            # gloo: straight into the param-major unsharded buffer (no staging, no copy-out)
+            _alloc(flat)
+            self.pending = comm.all_gather_in_place(
+                flat, group, unit=self.unit_fqn, prepare=self._fill_for_gather
+            )
+            return
         if self.storage_owner is StorageOwner.ALL_GATHER_OUTPUT and custom is None:
             alloc(flat)
             out = flat

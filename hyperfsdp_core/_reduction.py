@@ -269,8 +269,10 @@ def reduce_bucket(bucket: Bucket, comm: Comm, *, include_unused: bool) -> Reduct
         pack.mul_(scale)
     output = torch.empty(total, dtype=rdtype, device=bucket.device)
     group = bucket.reduce_group or bucket.mesh_info.shard_group
+    # the pack is ours (a pool buffer, or the gradient taken from the unsharded parameter):
+    # on gloo the reduction runs in place on it
     handle = comm.reduce_scatter(
-        output, pack, group, dist.ReduceOp.SUM, custom, unit=bucket.unit_fqn
+        output, pack, group, dist.ReduceOp.SUM, custom, unit=bucket.unit_fqn, scratch_input=True
     )
     if custom is not None:  # the custom comm owns its buffers: never pooled
         recycle = None

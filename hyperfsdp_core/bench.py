@@ -25,9 +25,10 @@ CONFIG_CHOICES = (
 )
 IMPL_CHOICES = ("hyperfsdp", "fsdp2", "ddp", "floor")
 #: opt-in: hyperfsdp with its CPU communication knobs on (separate reduce-scatter group, 2 in
-#: flight); any implementation with AdamW(foreach=True)
+#: flight); hyperfsdp with gloo's own collectives; any implementation with AdamW(foreach=True)
 VARIANT_CHOICES = (
     "hyperfsdp-tuned",
+    "hyperfsdp-native",
     "hyperfsdp-foreach",
     "fsdp2-foreach",
     "ddp-foreach",
@@ -107,8 +108,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         choices=IMPL_CHOICES + VARIANT_CHOICES,
         help="only these implementations (repeatable; default: the four main ones; "
-        "hyperfsdp-tuned adds hyperfsdp with its CPU communication knobs on; <impl>-foreach "
-        "adds that implementation with torch.optim.AdamW(foreach=True))",
+        "hyperfsdp-tuned adds hyperfsdp with its CPU communication knobs on; hyperfsdp-native "
+        "with gloo's own all-gather and reduce-scatter; <impl>-foreach that implementation "
+        "with torch.optim.AdamW(foreach=True))",
     )
     p.add_argument(
         "--steps",

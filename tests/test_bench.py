@@ -153,6 +153,7 @@ def _timeline():
         (0.001, "fwd", "root"),
         (0.002, "fwd", "L0"),
         (0.003, "coll", "all_gather_into_tensor 1024"),
+        (0.004, "coll", "all_reduce 2048"),
         (0.010, "fwd", "L1"),
         (0.020, "bwd", "root"),
         (0.030, "bwd", "L1"),
@@ -161,13 +162,13 @@ def _timeline():
         (0.050, "phase", "optimizer"),
         (0.060, "phase", "step end"),
     ]
-    samples = [
-        (0.0, 100 * MiB),
-        (0.005, 120 * MiB),
-        (0.022, 180 * MiB),
-        (0.035, 150 * MiB),
-        (0.055, 160 * MiB),
-        (0.061, 110 * MiB),
+    samples = [  # (s, heap in use, resident)
+        (0.0, 100 * MiB, 400 * MiB),
+        (0.005, 120 * MiB, 420 * MiB),
+        (0.022, 180 * MiB, 470 * MiB),
+        (0.035, 150 * MiB, 490 * MiB),
+        (0.055, 160 * MiB, None),
+        (0.061, 110 * MiB, 480 * MiB),
     ]
     return {"samples": samples, "markers": markers}
 
@@ -180,6 +181,7 @@ def test_timeline_summary():
     assert timeline.section_of(tl["markers"], 0.035) == "backward"
     info = timeline.summarize(tl)
     assert info["peak_bytes"] == 180 * MiB and info["peak_phase"] == "bwd root"
+    assert (info["rss_start_bytes"], info["rss_peak_bytes"]) == (400 * MiB, 490 * MiB)
     assert info["section_peaks"] == {
         "zero_grad": 100 * MiB,
         "forward": 120 * MiB,
@@ -187,11 +189,16 @@ def test_timeline_summary():
         "optimizer": 160 * MiB,
         "end": 110 * MiB,
     }
-    assert info["collectives_issued_before_peak"] == ["all_gather_into_tensor 1024"]
+    assert info["collectives_issued_before_peak"] == [
+        "all_gather_into_tensor 1024",
+        "all_reduce 2048",
+    ]
     series = charts.timeline_series([tl])
     assert series["t_ms"][2] == pytest.approx(22.0) and series["mib"][2] == 180
+    assert series["rss_mib"][3:5] == [490, None]
     assert [m[1] for m in series["marks"]["bwd"]] == ["root", "L1", "L0"]
     assert series["marks"]["gather"] == [(3.0, "all_gather_into_tensor 1024")]
+    assert series["marks"]["all_reduce"] == [(4.0, "all_reduce 2048")]
     assert series["marks"]["optimizer"] == [(50.0, "optimizer")]
 
 

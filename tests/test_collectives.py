@@ -64,3 +64,112 @@ def test_world_one_has_no_collectives(run_ranks):
     assert run_ranks(1, world_one_issues_nothing) == [
         {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
     ]
+
+
+# -- gloo: all-gathers and reduce-scatters as in-place all-reduces --------------------------------
+
+
+def _bits_of(t):
+    return t.view(torch.uint8)
+
+
+def gloo_stand_ins_match_native():
+    import torch.distributed as dist
+
+    from hyperfsdp_core import _collectives as coll
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out = {}
+    for dtype, shard in ((torch.float32, 1001), (torch.bfloat16, 7), (torch.bfloat16, 8)):
+        torch.manual_seed(rank)
+        inp = torch.randn(shard).to(dtype)
+        specials = torch.tensor([-0.0, float("inf"), float("-inf"), 1e-40]).to(dtype)
+        inp[: len(specials)] = specials
+        inp.view(torch.uint8)[-2:] = torch.tensor([0xC1, 0x7F], dtype=torch.uint8)  # a NaN payload
+        native = torch.empty(world * shard, dtype=dtype)
+        dist.all_gather_into_tensor(native, inp)
+        mine = torch.zeros(world * shard, dtype=dtype)
+        mine.view(world, shard)[rank] = inp
+        coll._all_gather_by_all_reduce(mine, group=None, async_op=True).wait()
+        out[f"ag {dtype} {shard}"] = torch.equal(_bits_of(mine), _bits_of(native))
+    torch.manual_seed(100 + rank)
+    pack = torch.randn(world * 3001)
+    native = torch.empty(3001)
+    dist.reduce_scatter_tensor(native, pack.clone())
+    mine = torch.empty(3001)
+    work = coll._reduce_scatter_in_place(
+        mine, pack, op=dist.ReduceOp.SUM, group=None, async_op=True
+    )
+    out["rs before wait"] = work is not None
+    work.wait()
+    work.wait()  # idempotent
+    out["rs"] = torch.equal(_bits_of(mine), _bits_of(native))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gloo_all_reduce_stand_ins_are_bit_exact(run_ranks, world):
+    for out in run_ranks(world, gloo_stand_ins_match_native):
+        assert all(out.values()), out
+
+
+def train_with_gloo_collectives(all_reduce: bool):
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+
+    from hyperfsdp_core import MixedPrecisionPolicy
+    from hyperfsdp_core import _collectives as coll
+
+    saved, coll.GLOO_ALL_REDUCE = coll.GLOO_ALL_REDUCE, all_reduce
+    try:
+        torch.manual_seed(0)
+        model = Transformer(vocab=33, dim=12, n_layers=3, hidden=18)  # uneven shards
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for i, block in enumerate(model.layers):
+            kwargs = {"mp_policy": mp} if i == 1 else {}
+            if i == 2:  # dim-1 shards (gathered into strided parts of the buffer) among dim-0
+                kwargs["shard_placement_fn"] = lambda p: (
+                    Shard(1) if p.ndim == 2 and p.shape[1] % 4 == 0 else None
+                )
+            fully_shard(block, **kwargs)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        with CollectiveCounter() as counter:
+            for step in range(3):
+                x, y = token_batch(step, 8, 5, 33)
+                loss = lm_loss(model(local_slice(x)), local_slice(y))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+        comm = model._hyperfsdp_state.ctx.comm
+        params = [p.detach().to_local().clone() for p in model.parameters()]
+        kinds = {k: counter.count(k) for k in ("ag", "rs", "ar")}
+        dim1 = [
+            r.fqn
+            for r in model.sharding_plan()
+            if len(r.global_shape) == 2 and r.local_shape[1] != r.global_shape[1]
+        ]
+        assert dim1 == [
+            "layers.2.attn.wqkv.weight",
+            "layers.2.attn.wo.weight",
+            "layers.2.mlp.w1.weight",
+            "layers.2.mlp.w3.weight",
+        ], dim1
+        return losses, params, kinds, comm.uses_all_reduce(None), dist.get_world_size()
+    finally:
+        coll.GLOO_ALL_REDUCE = saved
+
+
+def gloo_all_reduce_training_is_exact():
+    a = train_with_gloo_collectives(True)
+    b = train_with_gloo_collectives(False)
+    same_params = all(torch.equal(_bits_of(x), _bits_of(y)) for x, y in zip(a[1], b[1]))
+    return a[0] == b[0], same_params, a[2] == b[2], a[3], b[3]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_training_with_gloo_all_reduce_equals_native_bit_for_bit(run_ranks, world):
+    for losses, params, counts, on, off in run_ranks(world, gloo_all_reduce_training_is_exact):
+        assert (losses, params, counts, on, off) == (True, True, True, True, False)

@@ -502,18 +502,25 @@ def hsdp_order():
     fully_shard(model, mesh=mesh)
     opts = optimizers(model, ref)
     log = []
-    orig_rs, orig_ar = coll._reduce_scatter, coll._all_reduce
+    # on gloo the core's reduce-scatter is an in-place all-reduce (_reduce_scatter_in_place)
+    orig_rs, orig_rs_ar = coll._reduce_scatter, coll._reduce_scatter_in_place
+    orig_ar = coll._all_reduce
 
-    def reduce_scatter(out, inp, **kw):
-        entry = ("rs", out.data_ptr())
-        log.append(("issue", entry))
-        return _Logged(orig_rs(out, inp, **kw), log, entry)
+    def logged_reduce_scatter(orig):
+        def reduce_scatter(out, inp, **kw):
+            entry = ("rs", out.data_ptr())
+            log.append(("issue", entry))
+            return _Logged(orig(out, inp, **kw), log, entry)
+
+        return reduce_scatter
 
     def all_reduce(tensor, **kw):
         log.append(("issue", ("ar", tensor.data_ptr())))
         return orig_ar(tensor, **kw)
 
-    coll._reduce_scatter, coll._all_reduce = reduce_scatter, all_reduce
+    coll._reduce_scatter = logged_reduce_scatter(orig_rs)
+    coll._reduce_scatter_in_place = logged_reduce_scatter(orig_rs_ar)
+    coll._all_reduce = all_reduce
     try:
         for i in range(2):
             log.clear()
@@ -522,7 +529,8 @@ def hsdp_order():
             lm_loss(ref(x), y).backward()
             step(opts)
     finally:
-        coll._reduce_scatter, coll._all_reduce = orig_rs, orig_ar
+        coll._reduce_scatter, coll._reduce_scatter_in_place = orig_rs, orig_rs_ar
+        coll._all_reduce = orig_ar
     assert_close_params(model, ref, atol=ATOL, rtol=RTOL)
     return log
 

@@ -82,14 +82,24 @@ def timeline_series(per_rank: list[dict], rank: int = 0) -> dict:
     tl = per_rank[rank]
     t = [s[0] * 1e3 for s in tl["samples"]]
     mib = [s[1] / MiB for s in tl["samples"]]
+    rss = [s[2] / MiB if len(s) > 2 and s[2] is not None else None for s in tl["samples"]]
     marks: dict[str, list[tuple[float, str]]] = {}
     for mt, kind, label in tl["markers"]:
-        if kind == "coll":
-            kind = "gather" if "gather" in label else "reduce" if "reduce" in label else "coll"
+        if kind == "coll":  # by the torch.distributed function called
+            name = label.split()[0]
+            kind = (
+                "gather"
+                if "all_gather" in name
+                else "reduce"
+                if "reduce_scatter" in name
+                else "all_reduce"
+                if "all_reduce" in name
+                else "coll"
+            )
         elif kind == "phase" and label == "optimizer":
             kind = "optimizer"
         marks.setdefault(kind, []).append((mt * 1e3, label))
-    return {"t_ms": t, "mib": mib, "marks": marks}
+    return {"t_ms": t, "mib": mib, "rss_mib": rss, "marks": marks}
 
 
 # -- drawing --------------------------------------------------------------------------------
@@ -128,7 +138,14 @@ def draw_timeline(case: dict, path: Path) -> Path:
     fig, axes = plt.subplots(
         len(names), 1, figsize=(11, 3.2 * len(names)), squeeze=False, sharex=True
     )
-    ymax = max(max(s[1] for s in timelines[n][0]["samples"]) for n in names) / MiB * 1.08
+    ymax = (
+        max(
+            max(max(s[1], (s[2] if len(s) > 2 else None) or 0) for s in timelines[n][0]["samples"])
+            for n in names
+        )
+        / MiB
+        * 1.08
+    )
     style = {
         "fwd": ("tab:blue", "-", "block forward start"),
         "bwd": ("tab:orange", "-", "block backward start"),
@@ -137,7 +154,11 @@ def draw_timeline(case: dict, path: Path) -> Path:
     for ax, name in zip(axes[:, 0], names):
         series = timeline_series(timelines[name])
         info = summarize(timelines[name][0])
-        ax.plot(series["t_ms"], series["mib"], color=COLORS.get(name, "black"), lw=1.2)
+        color = COLORS.get(name, "black")
+        ax.plot(series["t_ms"], series["mib"], color=color, lw=1.2, label="heap in use")
+        rss = [(t, r) for t, r in zip(series["t_ms"], series["rss_mib"]) if r is not None]
+        if rss:
+            ax.plot(*zip(*rss), color=color, lw=0.8, ls="--", alpha=0.7, label="resident (RSS)")
         for kind, (color, ls, label) in style.items():
             for i, (mt, _) in enumerate(series["marks"].get(kind, [])):
                 ax.axvline(
@@ -146,6 +167,7 @@ def draw_timeline(case: dict, path: Path) -> Path:
         for kind, color, label in (
             ("gather", "tab:purple", "all-gather issued"),
             ("reduce", "tab:brown", "reduce-scatter issued"),
+            ("all_reduce", "tab:olive", "all-reduce issued"),
         ):
             xs = [mt for mt, _ in series["marks"].get(kind, [])]
             if xs:
@@ -160,7 +182,7 @@ def draw_timeline(case: dict, path: Path) -> Path:
                 fontsize=8,
             )
         ax.set_ylim(0, ymax)
-        ax.set_ylabel("heap in use, MiB")
+        ax.set_ylabel("MiB")
         ax.set_title(f"{case['case']}: {name} (rank 0)", fontsize=10)
         ax.grid(alpha=0.3)
     axes[0, 0].legend(fontsize=7, loc="lower right", ncol=3)

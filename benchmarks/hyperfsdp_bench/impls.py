@@ -18,19 +18,28 @@ IMPLS = ("hyperfsdp", "fsdp2", "ddp", "floor")
 #:   what they buy: reduce-scatters on their own process group (own gloo threads) and two
 #:   reduce-scatters in flight before post-backward waits;
 #: - ``<impl>-foreach``: ``torch.optim.AdamW(..., foreach=True)`` instead of the default
-#:   (on CPU: the per-tensor loop), to measure what the multi-tensor optimizer buys.
+#:   (on CPU: the per-tensor loop), to measure what the multi-tensor optimizer buys;
+#: - ``hyperfsdp-native``: hyperfsdp with gloo's own all-gather and reduce-scatter
+#:   (``HYPERFSDP_GLOO_NATIVE_COLLECTIVES=1``) instead of its in-place all-reduces.
 #:
 #: The ``offload`` configuration adds its own: ``hyperfsdp-no-offload`` and
 #: ``fsdp2-no-offload`` (the same without offload) and ``fsdp2-unpinned`` (FSDP2's
 #: ``CPUOffloadPolicy(pin_memory=False)``, which runs without an accelerator where the
 #: default ``CPUOffloadPolicy()`` refuses).
-VARIANTS = ("hyperfsdp-tuned", "hyperfsdp-foreach", "fsdp2-foreach", "ddp-foreach", "floor-foreach")
+VARIANTS = (
+    "hyperfsdp-tuned",
+    "hyperfsdp-native",
+    "hyperfsdp-foreach",
+    "fsdp2-foreach",
+    "ddp-foreach",
+    "floor-foreach",
+)
 OFFLOAD_VARIANTS = ("hyperfsdp-no-offload", "fsdp2-unpinned", "fsdp2-no-offload")
 ALL_IMPLS = IMPLS + VARIANTS + OFFLOAD_VARIANTS
 #: Main implementations that run under torch.distributed (the floor runs one independent
 #: process per rank).
 _DISTRIBUTED_BASES = frozenset({"hyperfsdp", "fsdp2", "ddp"})
-_SUFFIXES = ("-tuned", "-foreach", "-no-offload", "-unpinned")
+_SUFFIXES = ("-tuned", "-native", "-foreach", "-no-offload", "-unpinned")
 
 
 def parse_impl(impl: str) -> tuple[str, str]:
@@ -137,7 +146,10 @@ def build(impl: str, spec: CaseSpec) -> Built:
     n_units = 0
     offload = spec.offload and variant != "no-offload"
     if base == "hyperfsdp":
-        from hyperfsdp_core import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        from hyperfsdp_core import CPUOffloadPolicy, MixedPrecisionPolicy, _collectives, fully_shard
+
+        if variant == "native":  # read when the root's communication state is created
+            _collectives.GLOO_ALL_REDUCE = False
 
         policy = CPUOffloadPolicy() if offload else None
         n_units = _shard(model, fully_shard, MixedPrecisionPolicy, spec, policy)

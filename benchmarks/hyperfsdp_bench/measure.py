@@ -201,8 +201,9 @@ class HeapPeak:
     blocks), independent of fragmentation and of when freed memory is returned to the
     OS; peak RSS depends on both and varies by tens of MiB between identical runs.
     ``peak`` is None where ``mallinfo2`` is unavailable (non-glibc, glibc < 2.33).
-    With ``record=True`` every sample is kept as ``(perf_counter seconds, bytes)`` in
-    ``samples`` (the memory timeline).
+    With ``record=True`` every sample is kept as ``(perf_counter seconds, bytes in use,
+    resident bytes)`` in ``samples`` (the memory timeline; resident: ``/proc/self/statm``,
+    None where unreadable).
     """
 
     def __init__(self, interval: float = 0.0005, record: bool = False) -> None:
@@ -210,10 +211,26 @@ class HeapPeak:
 
         self.interval = interval
         self.peak: int | None = None
-        self.samples: list[tuple[float, int]] | None = [] if record else None
+        self.samples: list[tuple[float, int, int | None]] | None = [] if record else None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._mallinfo = _load_mallinfo()
+        self._statm: int | None = None
+        if record:
+            import os
+
+            try:
+                self._statm = os.open("/proc/self/statm", os.O_RDONLY)
+                self._page = os.sysconf("SC_PAGE_SIZE")
+            except (OSError, ValueError):
+                self._statm = None
+
+    def _rss(self) -> int | None:
+        if self._statm is None:
+            return None
+        import os
+
+        return int(os.pread(self._statm, 128, 0).split()[1]) * self._page
 
     def _in_use(self) -> int:
         info = self._mallinfo()
@@ -228,7 +245,7 @@ class HeapPeak:
         now = self._in_use()
         self.peak = max(self.peak or 0, now)
         if self.samples is not None:
-            self.samples.append((time.perf_counter(), now))
+            self.samples.append((time.perf_counter(), now, self._rss()))
 
     def _poll(self) -> None:
         while not self._stop.is_set():
@@ -249,6 +266,11 @@ class HeapPeak:
             self._stop.set()
             self._thread.join()
             self.sample()
+        if self._statm is not None:
+            import os
+
+            os.close(self._statm)
+            self._statm = None
 
 
 # -- live state ------------------------------------------------------------------------------------

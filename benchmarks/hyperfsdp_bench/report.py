@@ -59,8 +59,12 @@ def case_line(res: dict) -> str:
     return "; ".join(parts)
 
 
+#: opt-in hyperfsdp variants that get a column of their own in the summary
+SUMMARY_VARIANTS = ("hyperfsdp-tuned", "hyperfsdp-native", "hyperfsdp-foreach")
+
+
 def summary_table(results: dict, markdown: bool = False) -> str:
-    tuned = any("hyperfsdp-tuned" in res["impls"] for res in results["cases"])
+    variants = [v for v in SUMMARY_VARIANTS if any(v in res["impls"] for res in results["cases"])]
     headers = [
         "case",
         "hyperfsdp/FSDP2 time",
@@ -69,7 +73,7 @@ def summary_table(results: dict, markdown: bool = False) -> str:
         "hyperfsdp/floor",
         "FSDP2/floor",
         "DDP/FSDP2",
-        *(["tuned/FSDP2"] if tuned else []),
+        *(v.removeprefix("hyperfsdp-") + "/FSDP2" for v in variants),
         "loss check",
     ]
     rows = []
@@ -80,13 +84,12 @@ def summary_table(results: dict, markdown: bool = False) -> str:
         h, d = imp.get("hyperfsdp", {}), imp.get("ddp", {})
         ref_name = h.get("reference", "fsdp2")
         f = imp.get(ref_name, {})
-        t = imp.get("hyperfsdp-tuned", {})
         check = res.get("loss_check", {})
         cstatus = check.get("status", "-")
         if "hyperfsdp" in check.get("compared", {}):
             worst = check["compared"]["hyperfsdp"]
             cstatus += " (exact)" if worst == 0 else f" (rel {worst:.0e})"
-        tcol = [_ratio(t.get("ratio_vs_fsdp2"))] if tuned else []
+        tcol = [_ratio(imp.get(v, {}).get("ratio_vs_fsdp2")) for v in variants]
         name = res["case"] + (f" (vs {ref_name})" if ref_name != "fsdp2" else "")
         if h.get("status", "ok") != "ok":
             hcol = "FAILED loss check" if "loss check" in h["status"] else "error (see notes)"

@@ -12,7 +12,8 @@ bytes malloc has in use (``mallinfo2``, as ``measure.HeapPeak``) and hooks mark
 - ``coll``: every collective issued through ``torch.distributed``'s Python API (name
   and bytes; issue time, not completion).
 
-Times are seconds from the step's start. ``summarize`` says where the peak is.
+Samples are ``(seconds from the step's start, bytes in use, resident bytes)``.
+``summarize`` says where the peak is.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def record_step(built, batch, counter=None, interval: float = 0.0005) -> dict:
             h.remove()
         if counter is not None:
             counter.listener = None
-    samples = [(round(t - t0, 5), b) for t, b in sorted(heap.samples or [])]
+    samples = [(round(t - t0, 5), b, rss) for t, b, rss in sorted(heap.samples or [])]
     return {
         "loss": value,
         "samples": samples,
@@ -155,12 +156,15 @@ def summarize(timeline: dict) -> dict:
     markers = timeline.get("markers") or []
     if not samples:
         return {}
-    t_peak, peak = max(samples, key=lambda s: s[1])
+    t_peak, peak = max(samples, key=lambda s: s[1])[:2]
     sections: dict[str, int] = {}
-    for t, b in samples:
-        sec = section_of(markers, t)
-        sections[sec] = max(sections.get(sec, 0), b)
+    for sample in samples:
+        sec = section_of(markers, sample[0])
+        sections[sec] = max(sections.get(sec, 0), sample[1])
+    rss = [s[2] for s in samples if len(s) > 2 and s[2] is not None]
     return {
+        "rss_start_bytes": rss[0] if rss else None,
+        "rss_peak_bytes": max(rss) if rss else None,
         "start_bytes": samples[0][1],
         "end_bytes": samples[-1][1],
         "peak_bytes": peak,

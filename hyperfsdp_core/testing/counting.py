@@ -6,7 +6,15 @@ import torch.distributed as dist
 
 from .. import _collectives as _coll
 
-KINDS = {"_all_gather": "ag", "_reduce_scatter": "rs", "_all_reduce": "ar"}
+#: the core's call sites; on gloo its all-gathers and reduce-scatters are in-place all-reduces
+#: (``_collectives.GLOO_ALL_REDUCE``), counted as the all-gathers and reduce-scatters they are
+KINDS = {
+    "_all_gather": "ag",
+    "_all_gather_by_all_reduce": "ag",
+    "_reduce_scatter": "rs",
+    "_reduce_scatter_in_place": "rs",
+    "_all_reduce": "ar",
+}
 
 
 class CollectiveCounter:
