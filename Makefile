@@ -13,16 +13,17 @@ DIST_DIR ?= dist
 STAMP := $(dir $(PY)).hyperfsdp-installed
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench bench-deps charts lint dist wheels clean
+.PHONY: install test demo bench charts lint dist wheels clean
 
 $(PY):
 	$(PYTHON) -m venv $(dir $(PY))..
 
 # Installs whatever is missing: torch (pinned CPU build) if absent, the core
-# editable with its test/demo/lint extras, and every plugin under plugins/.
+# editable with its test/demo/lint/bench extras (bench: matplotlib, for the charts and
+# their test; users get it only with hyperfsdp[bench]), and every plugin under plugins/.
 $(STAMP): $(PY) pyproject.toml $(wildcard plugins/*/pyproject.toml examples/*/pyproject.toml)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install $(TORCH_PIN)
-	$(PY) -m pip install -q -e ".[test,demo,lint]" $(foreach d,$(PLUGIN_DIRS),-e $(d))
+	$(PY) -m pip install -q -e ".[test,demo,lint,bench]" $(foreach d,$(PLUGIN_DIRS),-e $(d))
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -36,18 +37,10 @@ demo: install
 bench: install
 	$(PY) -m hyperfsdp_core bench
 
-# matplotlib for `hyperfsdp bench --charts` (benchmark-only extra; `make test` does not need it)
-BENCH_STAMP := $(dir $(PY)).hyperfsdp-bench-installed
-$(BENCH_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e ".[bench]"
-	touch $(BENCH_STAMP)
-
-bench-deps: $(BENCH_STAMP)
-
 # Redraw the charts from stored results: make charts CHARTS_FROM="a.json b.json" CHARTS_DIR=docs
 CHARTS_FROM ?= benchmarks/results/latest.json
 CHARTS_DIR ?= docs
-charts: $(BENCH_STAMP)
+charts: install
 	$(PY) -m hyperfsdp_core bench $(foreach f,$(CHARTS_FROM),--replot $(f)) --charts $(CHARTS_DIR)
 
 lint: install

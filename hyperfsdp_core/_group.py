@@ -267,7 +267,7 @@ class Bucket:
         group = self.mesh_info.shard_group
         if custom is None and self.fill_input is None and comm.uses_all_reduce(group):
             # gloo: straight into the param-major unsharded buffer (no staging, no copy-out)
-            _alloc(flat)
+            alloc(flat)
             self.pending = comm.all_gather_in_place(
                 flat, group, unit=self.unit_fqn, prepare=self._fill_for_gather
             )

@@ -249,7 +249,7 @@ def test_merge_results_later_wins():
 
 
 def test_charts_are_drawn(tmp_path):
-    pytest.importorskip("matplotlib")
+    # matplotlib comes with `make install` (the bench extra): a missing one fails here
     case = _case("even", 2, 4, {"hyperfsdp": 0.3, "fsdp2": 0.35})
     case["timelines"] = {"hyperfsdp": [_timeline()], "fsdp2": [_timeline()]}
     results = {"cases": [case, _case("even", 2, 8, {"hyperfsdp": 0.5, "fsdp2": 0.6})]}

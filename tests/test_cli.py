@@ -143,8 +143,7 @@ def test_unknown_command_is_a_usage_error(capsys):
 
 def test_console_script_help():
     script = os.path.join(os.path.dirname(sys.executable), "hyperfsdp")
-    if not os.path.exists(script):
-        pytest.skip("the hyperfsdp console script is not installed next to this interpreter")
+    assert os.path.exists(script), "`make install` installs the hyperfsdp console script"
     proc = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("usage: hyperfsdp")
