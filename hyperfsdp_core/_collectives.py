@@ -174,6 +174,68 @@ class BufferPool:
         return sum(t.numel() * t.element_size() for t in self._free)
 
 
+class StoragePool:
+    """Memory of resharded unsharded buffers, handed back at the next unshard (CPU only).
+
+    Reshard parks a buffer's memory here instead of freeing it (the buffer's storage is
+    then empty, as after ``resize_(0)``); an unshard of the same byte size takes it back
+    instead of faulting in fresh pages from the OS. Like :class:`BufferPool`: one size
+    class at a time and at most ``max_idle`` parked buffers, emptied with the other
+    pools at the end of every forward and backward. With prefetching, the memory a unit
+    gives up is taken by the prefetch issued next, so parking holds nothing the freeing
+    did not: it changes where the pages come from, not how many are in use. Once a
+    pass has no unshard left to issue (a unit found nothing to prefetch), :meth:`stop`
+    frees what is parked and reshards free again until :meth:`resume` (the next pass).
+    """
+
+    def __init__(self, max_idle: int = 2) -> None:
+        self.max_idle = max_idle
+        self.parking = True
+        self._key: int | None = None
+        self._free: list[torch.UntypedStorage] = []
+
+    def stop(self) -> None:
+        """No unshard will take parked memory in this pass: free it, and free from now on."""
+        self.parking = False
+        self._free = []
+
+    def resume(self) -> None:
+        self.parking = True
+
+    def park(self, storage: torch.UntypedStorage) -> None:
+        from ._torch_private import swap_storage_memory
+
+        if not self.parking:
+            storage.resize_(0)
+            return
+        nbytes = storage.nbytes()
+        if nbytes != self._key:
+            self._key = nbytes
+            self._free = []
+        if len(self._free) >= self.max_idle:
+            storage.resize_(0)
+            return
+        holder = torch.UntypedStorage(0)
+        swap_storage_memory(holder, storage)
+        self._free.append(holder)
+
+    def unpark(self, storage: torch.UntypedStorage, nbytes: int) -> bool:
+        """Give ``storage`` (empty) parked memory of ``nbytes``; False if none is idle."""
+        if nbytes != self._key or not self._free:
+            return False
+        from ._torch_private import swap_storage_memory
+
+        swap_storage_memory(storage, self._free.pop())
+        return True
+
+    def clear(self) -> None:
+        self._free = []
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes() for s in self._free)
+
+
 class Comm:
     """Issues collectives for one root (or several roots sharing it via ``share_comm_ctx``)."""
 
@@ -189,6 +251,8 @@ class Comm:
         self.pools = (
             {"gather": BufferPool(device), "reduce": BufferPool(device)} if self.is_cpu else None
         )
+        #: parked memory of resharded unsharded buffers (CPU)
+        self.storage_pool = StoragePool() if self.is_cpu else None
         #: all-gathers and reduce-scatters as in-place all-reduces on gloo groups
         self.gloo_all_reduce = self.is_cpu and GLOO_ALL_REDUCE
         self._is_gloo: dict = {}  # group -> whether its backend is gloo
@@ -219,10 +283,24 @@ class Comm:
         if self.pools is not None:
             for pool in self.pools.values():
                 pool.clear()
+        if self.storage_pool is not None:
+            self.storage_pool.clear()
+
+    def stop_parking(self) -> None:
+        """This pass issues no further unshard: resharded memory is freed, not parked."""
+        if self.storage_pool is not None:
+            self.storage_pool.stop()
+
+    def resume_parking(self) -> None:
+        if self.storage_pool is not None:
+            self.storage_pool.resume()
 
     @property
     def pooled_bytes(self) -> int:
-        return sum(p.nbytes for p in self.pools.values()) if self.pools is not None else 0
+        if self.pools is None:
+            return 0
+        parked = self.storage_pool.nbytes if self.storage_pool is not None else 0
+        return sum(p.nbytes for p in self.pools.values()) + parked
 
     def uses_all_reduce(self, group) -> bool:
         """Whether collectives over ``group`` are in-place all-reduces (gloo, see

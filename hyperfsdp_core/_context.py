@@ -68,10 +68,15 @@ class RootContext:
     def set_comm(self, comm: Comm) -> None:
         """Use ``comm`` for every unit of this root (``share_comm_ctx``)."""
         comm.observers.extend(o for o in self.comm.observers if o not in comm.observers)
-        self.comm = comm
+        old, self.comm = self.comm, comm
         self.plugin_comm = PluginComm(comm)
         for state in self.states:
             state.comm = comm
+            if state.group is not None:  # reshards park memory with the new comm
+                for bucket in state.group.buckets:
+                    bucket._storage_pool = comm.storage_pool
+        if old is not comm:
+            old.trim()  # its idle buffers
 
     def run_phases(self) -> None:
         """Run the finalization phases in their resolved order (logged when logging is on)."""
@@ -104,6 +109,7 @@ class RootContext:
         # Communication buffers are reused within a pass (units of one pass mostly share
         # sizes); none is kept idle across the activation peak or the optimizer step.
         self.comm.trim()
+        self.comm.resume_parking()  # for the backward's reshards
         if self.forward_order:
             order = self.forward_order
             self.next_in_forward = {a: b for a, b in itertools.pairwise(order) if a is not b}
@@ -182,6 +188,7 @@ class RootContext:
 
     def end_backward(self, is_last_backward: bool) -> None:
         self.comm.trim()
+        self.comm.resume_parking()  # for the next forward's reshards
         self.in_backward = False
         self.callback_queued = False
         if self.graph_live and not self.creates_graph:

@@ -96,6 +96,9 @@ class Bucket:
         # all-gather by all-reduce (gloo): views of the unsharded buffer to zero and to
         # fill with this rank's shards, and those shards (built at first use)
         self._gather_views: tuple[list, list, list] | None = None
+        # where resharding parks the unsharded buffer's memory (the comm's, CPU), once an
+        # unshard has run; None: freed
+        self._storage_pool = None
 
     @staticmethod
     def key(p: HSDPParam) -> tuple:
@@ -193,6 +196,30 @@ class Bucket:
         if owner is not StorageOwner.SHARDED_STORAGE:
             free(base)
 
+    def _alloc_unsharded(self) -> None:
+        """Give the unsharded buffer its memory: parked memory of its size if any is idle."""
+        flat = self.unsharded_flat
+        storage = flat.untyped_storage()
+        nbytes = flat.numel() * flat.element_size()
+        if storage.size() == nbytes:
+            return
+        pool = self._storage_pool
+        if pool is None or storage.size() != 0 or not pool.unpark(storage, nbytes):
+            storage.resize_(nbytes)
+
+    def _free_unsharded(self) -> None:
+        """Reshard's release of the unsharded buffer: parked for the next unshard (CPU)."""
+        flat = self.unsharded_flat
+        if flat is None or flat is self.sharded_flat:
+            return
+        storage = flat.untyped_storage()
+        if storage.size() == 0:
+            return
+        if self._storage_pool is not None:
+            self._storage_pool.park(storage)
+        else:
+            storage.resize_(0)
+
     def _fill_for_gather(self) -> None:
         """All-gather by all-reduce: this rank's shards (cast if needed) into its rows of
         the param-major unsharded buffer, zeros everywhere else."""
@@ -237,6 +264,8 @@ class Bucket:
 
     def start_unshard(self, comm: Comm) -> None:
         """Issue the all-gather (or the local cast); idempotent while unsharded or in flight."""
+        # the next reshard parks the memory with this comm (the root's, once it exists)
+        self._storage_pool = comm.storage_pool
         if self.state is ShardedState.UNSHARDED or self.pending is not None:
             return
         self.init_unsharded()
@@ -244,7 +273,7 @@ class Bucket:
         assert flat is not None and self.sharded_flat is not None
         if not self.needs_all_gather:
             if self.needs_copy_in:
-                alloc(flat)
+                self._alloc_unsharded()
                 (self.fill_input or _copy_in)(self.sharded_flat, flat)
             self.pending = READY
             return
@@ -254,7 +283,7 @@ class Bucket:
             pf = self._pf
             assert pf is not None
             if pf.direct:  # one dim-0 member laid out alike: straight into the buffer
-                alloc(flat)
+                self._alloc_unsharded()
                 out = flat[: pf.info.shard_size * pf.total]
             else:
                 out = self._staging = comm.buffer(
@@ -267,13 +296,13 @@ class Bucket:
         group = self.mesh_info.shard_group
         if custom is None and self.fill_input is None and comm.uses_all_reduce(group):
             # gloo: straight into the param-major unsharded buffer (no staging, no copy-out)
-            alloc(flat)
+            self._alloc_unsharded()
             self.pending = comm.all_gather_in_place(
                 flat, group, unit=self.unit_fqn, prepare=self._fill_for_gather
             )
             return
         if self.storage_owner is StorageOwner.ALL_GATHER_OUTPUT and custom is None:
-            alloc(flat)
+            self._alloc_unsharded()
             out = flat
         else:  # the unsharded buffer is allocated at copy-out, not while the gather runs
             out = self._staging = comm.buffer(
@@ -297,7 +326,7 @@ class Bucket:
         handle.wait()
         self.pending = None
         if self._staging is not None:
-            alloc(self.unsharded_flat)
+            self._alloc_unsharded()
             pf, self._staging_pf = self._staging_pf, None
             if pf is None:
                 self._copy_out(self._staging, self._gather_layout)
@@ -388,13 +417,11 @@ class Bucket:
             for p in self.params:
                 p.to_sharded()
         if self.state is ShardedState.SHARDED:
-            if self.unsharded_flat is not None and self.unsharded_flat is not self.sharded_flat:
-                free(self.unsharded_flat)
+            self._free_unsharded()
             return
         for p in self.params:
             p.to_sharded()
-        if self.unsharded_flat is not self.sharded_flat:
-            free(self.unsharded_flat)
+        self._free_unsharded()
         self.state = ShardedState.SHARDED
 
     # -- gradients ----------------------------------------------------------------------------

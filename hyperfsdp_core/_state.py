@@ -339,10 +339,14 @@ class FSDPState:
         if targets is None:
             nxt = ctx.next_in_forward.get(self)
             targets = [nxt] if nxt is not None else ()
+        issued = False
         for target in targets:
             if target.group is not None and target.group.is_sharded:
                 target.group.unshard(target.comm)
                 target.prefetched = True
+                issued = True
+        if not issued:  # nothing left to gather in this forward: stop parking memory
+            ctx.comm.stop_parking()
 
     def _transform_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         for fn in self.input_transforms:
@@ -460,12 +464,9 @@ class FSDPState:
     def _backward_prefetch(self, ctx: RootContext) -> None:
         targets = self.backward_prefetch
         if targets is None:
-            if not self.post_forward_indices:
-                return
-            index = self.post_forward_indices.pop()
-            if index == 0:
-                return
-            targets = [ctx.post_forward_order[index - 1]]
+            index = self.post_forward_indices.pop() if self.post_forward_indices else 0
+            targets = [ctx.post_forward_order[index - 1]] if index > 0 else []
+        issued = False
         for target in targets:
             # a unit whose backward already ran this pass (e.g. a stale entry from an
             # earlier microbatch) must not be gathered again: nothing would free it
@@ -475,7 +476,10 @@ class FSDPState:
                 and target is not self
                 and target.training_state is not S.BACKWARD
             ):
+                issued = issued or target.group.is_sharded
                 target.group.unshard(target.comm)
+        if not issued:  # nothing left to gather in this backward: stop parking memory
+            ctx.comm.stop_parking()
 
     def post_backward(self, force: bool = False) -> None:
         """Reduce this unit's gradients and reshard; idempotent within one backward.

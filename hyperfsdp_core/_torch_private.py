@@ -42,3 +42,17 @@ def dtensor_from_local_fast(local: torch.Tensor, like: DTensor) -> DTensor:
             stride=like.stride(),
         )
     return DTensor(local, spec, requires_grad=False)
+
+
+def swap_storage_memory(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
+    """Exchange the memory (and byte sizes) of two CPU storages.
+
+    A bucket's unsharded buffer is freed on reshard and allocated again on unshard
+    (``resize_``), keeping its storage object so that the unsharded parameters, and the
+    references autograd saved to them, stay valid. On CPU a large allocation comes from
+    fresh ``mmap`` pages each time, and faulting them in costs several times the
+    gather itself. Parking the memory in a spare storage instead, and swapping it
+    back at the next unshard of that size, keeps the storage object as ``resize_``
+    does. PyTorch has no public call to move memory between storages.
+    """
+    a._swap_data_ptr_(b)  # type: ignore[attr-defined]

@@ -173,3 +173,60 @@ def gloo_all_reduce_training_is_exact():
 def test_training_with_gloo_all_reduce_equals_native_bit_for_bit(run_ranks, world):
     for losses, params, counts, on, off in run_ranks(world, gloo_all_reduce_training_is_exact):
         assert (losses, params, counts, on, off) == (True, True, True, True, False)
+
+
+# -- CPU: resharded unsharded buffers park their memory for the next unshard ---------------------
+
+
+def test_storage_pool_parks_and_hands_back_memory():
+    from hyperfsdp_core._collectives import StoragePool
+
+    pool = StoragePool(max_idle=1)
+    a, b = torch.arange(6.0), torch.zeros(6)
+    view = a[2:4]  # a saved view stays valid, as with resize_
+    ptr = a.data_ptr()
+    pool.park(a.untyped_storage())
+    assert a.untyped_storage().nbytes() == 0 and pool.nbytes == 24
+    b.untyped_storage().resize_(0)
+    assert not pool.unpark(b.untyped_storage(), 12)  # another size: not handed out
+    assert pool.unpark(b.untyped_storage(), 24)
+    assert b.data_ptr() == ptr and b.tolist() == [0, 1, 2, 3, 4, 5] and pool.nbytes == 0
+    a.untyped_storage().resize_(24)
+    a.copy_(torch.full((6,), 7.0))
+    assert view.tolist() == [7.0, 7.0]
+    pool.park(a.untyped_storage())
+    pool.park(b.untyped_storage())  # over max_idle: freed instead
+    assert pool.nbytes == 24 and b.untyped_storage().nbytes() == 0
+    pool.park(torch.zeros(3).untyped_storage())  # a new size class drops the old one
+    assert pool.nbytes == 12
+    pool.clear()
+    assert pool.nbytes == 0
+
+
+def unsharded_memory_reuse():
+    torch.manual_seed(0)
+    model = Transformer(vocab=31, dim=8, n_layers=4, hidden=12)
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    ptrs = []
+
+    def record(module, args, output):
+        ptrs.append(module._hyperfsdp_state.group.buckets[0].unsharded_flat.data_ptr())
+
+    for block in model.layers:
+        block.register_forward_hook(record, prepend=True)  # before the reshard
+    for step in range(2):  # the second forward prefetches (the first learns the order)
+        ptrs.clear()
+        x, y = token_batch(step, 4, 5, 31)
+        lm_loss(model(local_slice(x)), local_slice(y)).backward()
+    comm = model._hyperfsdp_state.ctx.comm
+    return ptrs, comm.pooled_bytes
+
+
+def test_resharded_memory_goes_to_the_next_unshard(run_ranks):
+    for ptrs, pooled in run_ranks(2, unsharded_memory_reuse):
+        # block 1 is prefetched while block 0 is unsharded; block 2 once block 0 has
+        # resharded: it gets block 0's memory
+        assert ptrs[2] == ptrs[0] and ptrs[3] == ptrs[1] and ptrs[0] != ptrs[1]
+        assert pooled == 0  # nothing held past the backward

@@ -114,9 +114,10 @@ class Runner:
             "counter_aliases": sorted(set(counter.aliases)),
             "threads": torch.get_num_threads(),
         }
-        if self.impl == "hyperfsdp":
+        base = impls.parse_impl(self.impl)[0]
+        if base == "hyperfsdp":
             info.update(measure.hyperfsdp_padding_bytes(model))
-        elif self.impl == "fsdp2":
+        elif base == "fsdp2":
             info.update(measure.fsdp2_padding_bytes(model))
         else:
             info.update({"padding_bytes": 0, "padded_params": 0, "n_managed": 0})
@@ -216,7 +217,7 @@ class Runner:
         return float(loss.detach()), t_opt
 
     def _comm(self):
-        if self.impl != "hyperfsdp" or self.built is None:
+        if not self.impl.startswith("hyperfsdp") or self.built is None:
             return None
         state = getattr(self.built.model, "_hyperfsdp_state", None)
         return getattr(state, "comm", None)
