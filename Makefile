@@ -37,9 +37,9 @@ demo: install
 bench: install
 	$(PY) -m hyperfsdp_core bench
 
-# Redraw the charts from stored results: make charts CHARTS_FROM="a.json b.json" CHARTS_DIR=docs
+# Redraw the charts from stored results: make charts CHARTS_FROM="a.json b.json" CHARTS_DIR=docs/charts
 CHARTS_FROM ?= benchmarks/results/latest.json
-CHARTS_DIR ?= docs
+CHARTS_DIR ?= docs/charts
 charts: install
 	$(PY) -m hyperfsdp_core bench $(foreach f,$(CHARTS_FROM),--replot $(f)) --charts $(CHARTS_DIR)
 
