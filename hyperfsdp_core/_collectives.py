@@ -33,6 +33,12 @@ _broadcast = dist.broadcast
 #: collectives' results bit for bit. ``HYPERFSDP_GLOO_NATIVE_COLLECTIVES=1`` (read when a
 #: root's communication state is created) uses gloo's own instead.
 GLOO_ALL_REDUCE = os.environ.get("HYPERFSDP_GLOO_NATIVE_COLLECTIVES", "") != "1"
+#: ... except all-gathers of less than this many bytes (the full, unsharded size): for those
+#: gloo's own all-gather wins on latency (one exchange where an all-reduce makes two: 0.35
+#: against 0.55 ms for 4 KiB at world 2) and its full-size buffer is too small to matter.
+#: ``HYPERFSDP_GLOO_ALL_GATHER_MIN_BYTES`` overrides it (read when a root's communication
+#: state is created); figures in docs/performance.md.
+GLOO_ALL_GATHER_MIN_BYTES = int(os.environ.get("HYPERFSDP_GLOO_ALL_GATHER_MIN_BYTES", 1 << 20))
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -255,6 +261,7 @@ class Comm:
         self.storage_pool = StoragePool() if self.is_cpu else None
         #: all-gathers and reduce-scatters as in-place all-reduces on gloo groups
         self.gloo_all_reduce = self.is_cpu and GLOO_ALL_REDUCE
+        self.all_gather_min_bytes = GLOO_ALL_GATHER_MIN_BYTES
         self._is_gloo: dict = {}  # group -> whether its backend is gloo
         self.all_gather_stream = self.reduce_stream = None
         if not self.is_cpu:
@@ -311,6 +318,11 @@ class Comm:
         if known is None:
             known = self._is_gloo[group] = dist.get_backend(group) == "gloo"
         return known
+
+    def gathers_by_all_reduce(self, group, nbytes: int) -> bool:
+        """Whether an all-gather of ``nbytes`` (unsharded) over ``group`` is an in-place
+        all-reduce (``uses_all_reduce`` and at least ``GLOO_ALL_GATHER_MIN_BYTES``)."""
+        return nbytes >= self.all_gather_min_bytes and self.uses_all_reduce(group)
 
     # -- collectives ---------------------------------------------------------------------
     # ``custom`` is an FSDP2-style comm object (``set_custom_all_gather`` /

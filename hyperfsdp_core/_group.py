@@ -68,6 +68,7 @@ class Bucket:
         self.segments, self.total = pack_segments([p.layout.padded_numel for p in params])
         self.sharded_flat: torch.Tensor | None = None
         self.unsharded_flat: torch.Tensor | None = None
+        self.unsharded_nbytes = 0  # the unsharded buffer's size, set with it
         self.state = ShardedState.SHARDED
         self.pending: Handle | None = None
         self._staging: torch.Tensor | None = None
@@ -192,6 +193,7 @@ class Bucket:
                 p.unsharded_param = nn.Parameter(view, requires_grad=p.requires_grad)
                 p.storage_owner = owner
         self.unsharded_flat = base
+        self.unsharded_nbytes = base.numel() * base.element_size()
         self._gather_views = None
         if owner is not StorageOwner.SHARDED_STORAGE:
             free(base)
@@ -294,7 +296,11 @@ class Bucket:
             return
         custom = self.custom_all_gather
         group = self.mesh_info.shard_group
-        if custom is None and self.fill_input is None and comm.uses_all_reduce(group):
+        if (
+            custom is None
+            and self.fill_input is None
+            and comm.gathers_by_all_reduce(group, self.unsharded_nbytes)
+        ):
             # gloo: straight into the param-major unsharded buffer (no staging, no copy-out)
             self._alloc_unsharded()
             self.pending = comm.all_gather_in_place(

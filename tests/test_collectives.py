@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch import nn
 
 from hyperfsdp_core import fully_shard
 from hyperfsdp_core.testing.counting import CollectiveCounter
@@ -121,6 +122,7 @@ def train_with_gloo_collectives(all_reduce: bool):
     from hyperfsdp_core import _collectives as coll
 
     saved, coll.GLOO_ALL_REDUCE = coll.GLOO_ALL_REDUCE, all_reduce
+    saved_min, coll.GLOO_ALL_GATHER_MIN_BYTES = coll.GLOO_ALL_GATHER_MIN_BYTES, 0  # every size
     try:
         torch.manual_seed(0)
         model = Transformer(vocab=33, dim=12, n_layers=3, hidden=18)  # uneven shards
@@ -160,6 +162,7 @@ def train_with_gloo_collectives(all_reduce: bool):
         return losses, params, kinds, comm.uses_all_reduce(None), dist.get_world_size()
     finally:
         coll.GLOO_ALL_REDUCE = saved
+        coll.GLOO_ALL_GATHER_MIN_BYTES = saved_min
 
 
 def gloo_all_reduce_training_is_exact():
@@ -173,6 +176,42 @@ def gloo_all_reduce_training_is_exact():
 def test_training_with_gloo_all_reduce_equals_native_bit_for_bit(run_ranks, world):
     for losses, params, counts, on, off in run_ranks(world, gloo_all_reduce_training_is_exact):
         assert (losses, params, counts, on, off) == (True, True, True, True, False)
+
+
+def all_gather_algorithm_by_size():
+    import torch.distributed as dist
+
+    from hyperfsdp_core import _collectives as coll
+
+    calls: list[tuple[str, int]] = []
+
+    def spy(name, fn):
+        def call(out, *args, **kwargs):
+            calls.append((name, out.numel() * out.element_size()))
+            return fn(out, *args, **kwargs)
+
+        return call
+
+    saved = coll._all_gather, coll._all_gather_by_all_reduce, coll.GLOO_ALL_GATHER_MIN_BYTES
+    coll._all_gather = spy("native", saved[0])
+    coll._all_gather_by_all_reduce = spy("all_reduce", saved[1])
+    coll.GLOO_ALL_GATHER_MIN_BYTES = 4096  # between the two units' unsharded sizes
+    try:
+        torch.manual_seed(0)
+        small, big = nn.Linear(8, 64), nn.Linear(64, 64)  # 2304 and 16640 bytes unsharded
+        fully_shard(small)
+        fully_shard(big)
+        model = nn.Sequential(small, big)
+        fully_shard(model)
+        model(torch.randn(2, 8) + dist.get_rank()).sum().backward()
+        return sorted(set(calls))
+    finally:
+        coll._all_gather, coll._all_gather_by_all_reduce, coll.GLOO_ALL_GATHER_MIN_BYTES = saved
+
+
+def test_small_all_gathers_use_gloo_own_large_ones_an_all_reduce(run_ranks):
+    for calls in run_ranks(2, all_gather_algorithm_by_size):
+        assert calls == [("all_reduce", 16640), ("native", 2304)], calls
 
 
 # -- CPU: resharded unsharded buffers park their memory for the next unshard ---------------------
@@ -204,6 +243,17 @@ def test_storage_pool_parks_and_hands_back_memory():
 
 
 def unsharded_memory_reuse():
+    from hyperfsdp_core import _collectives as coll
+
+    # the in-place all-gather (that of large units) for these tiny ones
+    saved, coll.GLOO_ALL_GATHER_MIN_BYTES = coll.GLOO_ALL_GATHER_MIN_BYTES, 0
+    try:
+        return _unsharded_memory_reuse()
+    finally:
+        coll.GLOO_ALL_GATHER_MIN_BYTES = saved
+
+
+def _unsharded_memory_reuse():
     torch.manual_seed(0)
     model = Transformer(vocab=31, dim=8, n_layers=4, hidden=12)
     for block in model.layers:
