@@ -59,6 +59,46 @@ def _all_gather_by_all_reduce(buffer: torch.Tensor, group, async_op: bool):
     return dist.all_reduce(_bits(buffer), op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
+#: ... and all-gathers of buckets whose members are all sharded on dim 0 are point-to-point
+#: sends and receives instead (each rank's rows of every member go straight from its
+#: unsharded buffer into the same rows of every peer's): plain copies, so exact; half the
+#: bytes of an all-reduce, no sum, no zero fill and no gloo-internal buffer. At world 2,
+#: 16 MiB: 6-8 ms against 19 for the all-reduce and 12 for gloo's own all-gather. The same
+#: switch makes sum-reduce-scatters over groups of two ranks point-to-point
+#: (``_reduce_scatter_pair``).
+GLOO_P2P_ALL_GATHER = True
+
+
+class _Works:
+    """Several works (point-to-point sends and receives) waited for as one."""
+
+    __slots__ = ("_works",)
+
+    def __init__(self, works: list) -> None:
+        self._works = works
+
+    def wait(self, timeout=None) -> bool:
+        works, self._works = self._works, []
+        for work in works:
+            work.wait()
+        return True
+
+
+def _all_gather_p2p(rows: list[torch.Tensor], rank: int, group):
+    """All-gather by point-to-point: ``rows`` are ``(world, n)`` views of the unsharded
+    buffer whose row ``rank`` this rank has written; it sends that row to every peer and
+    receives each peer's row into place. Tags tell a bucket's members apart; every rank
+    posts in the same order, and gloo matches a (peer, tag) pair's messages in order."""
+    world = rows[0].shape[0]
+    works = []
+    for step in range(1, world):
+        src, dst = (rank - step) % world, (rank + step) % world
+        for tag, r in enumerate(rows):
+            works.append(dist.irecv(r[src], group=group, group_src=src, tag=tag))
+            works.append(dist.isend(r[rank], group=group, group_dst=dst, tag=tag))
+    return _Works(works)
+
+
 class _CopyAfterWait:
     """A work handle that runs ``then`` once, after the wrapped work completes."""
 
@@ -75,6 +115,26 @@ class _CopyAfterWait:
             work.wait()
             then()
         return True
+
+
+def _reduce_scatter_pair(output: torch.Tensor, input: torch.Tensor, group):
+    """Sum-reduce-scatter over a group of two ranks by point-to-point: send the peer its
+    chunk, receive ours from it into ``output`` and add our own. One addition per element,
+    as gloo's all-reduce makes for two ranks (addition commutes bit for bit), with half
+    its bytes and no full-size buffer."""
+    rank = dist.get_rank(group)
+    peer = 1 - rank
+    chunks = input.view(2, -1)
+    works = [
+        dist.irecv(output, group=group, group_src=peer, tag=_PAIR_REDUCE_TAG),
+        dist.isend(chunks[peer], group=group, group_dst=peer, tag=_PAIR_REDUCE_TAG),
+    ]
+    return _CopyAfterWait(_Works(works), partial(output.add_, chunks[rank]))
+
+
+#: point-to-point tags of the pair reduce-scatter (the all-gathers use a bucket's member
+#: indices, 0 and up)
+_PAIR_REDUCE_TAG = 1 << 20
 
 
 def _reduce_scatter_in_place(output: torch.Tensor, input: torch.Tensor, op, group, async_op):
@@ -262,7 +322,9 @@ class Comm:
         #: all-gathers and reduce-scatters as in-place all-reduces on gloo groups
         self.gloo_all_reduce = self.is_cpu and GLOO_ALL_REDUCE
         self.all_gather_min_bytes = GLOO_ALL_GATHER_MIN_BYTES
+        self.gloo_p2p = GLOO_P2P_ALL_GATHER  # dim-0 buckets: point-to-point all-gathers
         self._is_gloo: dict = {}  # group -> whether its backend is gloo
+        self._sizes: dict = {}  # group -> its size
         self.all_gather_stream = self.reduce_stream = None
         if not self.is_cpu:
             self._module = torch.get_device_module(device.type)
@@ -319,6 +381,12 @@ class Comm:
             known = self._is_gloo[group] = dist.get_backend(group) == "gloo"
         return known
 
+    def _group_size(self, group) -> int:
+        size = self._sizes.get(group)
+        if size is None:
+            size = self._sizes[group] = dist.get_world_size(group)
+        return size
+
     def gathers_by_all_reduce(self, group, nbytes: int) -> bool:
         """Whether an all-gather of ``nbytes`` (unsharded) over ``group`` is an in-place
         all-reduce (``uses_all_reduce`` and at least ``GLOO_ALL_GATHER_MIN_BYTES``)."""
@@ -353,6 +421,19 @@ class Comm:
         call = lambda: _all_gather_by_all_reduce(buffer, group=group, async_op=True)  # noqa: E731
         return self._issue(None, call, (buffer,), prepare)
 
+    def all_gather_p2p(
+        self, buffer: torch.Tensor, rows: list[torch.Tensor], rank: int, group, *, unit, prepare
+    ) -> Handle:
+        """All-gather into ``buffer`` by point-to-point (gloo, all members on dim 0):
+        ``prepare`` writes this rank's row of every ``rows`` view, then each row goes to
+        every peer (``_all_gather_p2p``)."""
+        self.stats.all_gathers += 1
+        self.stats.all_gather_bytes += buffer.numel() * buffer.element_size()
+        if self.observers:
+            self._observe("all_gather", group, buffer, unit)
+        call = lambda: _all_gather_p2p(rows, rank, group)  # noqa: E731
+        return self._issue(None, call, (buffer,), prepare)
+
     def reduce_scatter(
         self,
         out: torch.Tensor,
@@ -373,7 +454,12 @@ class Comm:
         if custom is not None:
             call = lambda: custom(out, inp, group, op, async_op=self.is_cpu)  # noqa: E731
         elif scratch_input and inp.is_contiguous() and self.uses_all_reduce(group):
-            call = lambda: _reduce_scatter_in_place(out, inp, op=op, group=group, async_op=True)  # noqa: E731
+            if self.gloo_p2p and op == dist.ReduceOp.SUM and self._group_size(group) == 2:
+                call = lambda: _reduce_scatter_pair(out, inp, group)  # noqa: E731
+            else:
+                call = lambda: _reduce_scatter_in_place(  # noqa: E731
+                    out, inp, op=op, group=group, async_op=True
+                )
         else:
             call = lambda: _reduce_scatter(out, inp, op=op, group=group, async_op=self.is_cpu)  # noqa: E731
         return self._issue(self.reduce_stream, call, (out, inp))

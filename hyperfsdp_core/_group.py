@@ -225,21 +225,28 @@ class Bucket:
     def _fill_for_gather(self) -> None:
         """All-gather by all-reduce: this rank's shards (cast if needed) into its rows of
         the param-major unsharded buffer, zeros everywhere else."""
-        views = self._gather_views
-        if views is None:
-            views = self._gather_views = self._build_gather_views()
-        zero, own, src = views
+        zero, own, src, _ = self._gather_views
         if zero:
             torch._foreach_zero_(zero)
         torch._foreach_copy_(own, src)
 
-    def _build_gather_views(self) -> tuple[list, list, list]:
+    def _fill_own_rows(self) -> None:
+        """All-gather by point-to-point: this rank's shards (cast if needed) into its rows;
+        the peers' rows are received into place."""
+        _, own, src, _ = self._gather_views
+        torch._foreach_copy_(own, src)
+
+    def _build_gather_views(self) -> tuple[list, list, list, list | None]:
+        """Views of the unsharded buffer for the gloo all-gathers: the parts to zero,
+        this rank's parts and the shards that fill them, and -- when every member is
+        sharded on dim 0 -- each member's ``(world, rows)`` view (point-to-point)."""
         flat, sharded = self.unsharded_flat, self.sharded_flat
         assert flat is not None and sharded is not None
         world, rank = self.world, self.mesh_info.shard_rank
         zero: list[torch.Tensor] = []
         own: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
+        rows_p2p: list[torch.Tensor] | None = []
         for p, seg in zip(self.params, self.segments):
             region = flat[world * seg.offset : world * (seg.offset + seg.numel)]
             shard = sharded[seg.offset : seg.offset + seg.numel]
@@ -248,6 +255,8 @@ class Bucket:
                 own.append(rows[rank])
                 src.append(shard)
                 parts = (rows[:rank], rows[rank + 1 :])
+                if rows_p2p is not None and seg.numel:
+                    rows_p2p.append(rows)
             else:  # chunk r of dim `dim` (even by construction)
                 lay = p.layout
                 pre = math.prod(lay.global_shape[: lay.dim])
@@ -256,8 +265,9 @@ class Bucket:
                 own.append(grid[:, rank])
                 src.append(shard.view(pre, lay.chunk, post))
                 parts = (grid[:, :rank], grid[:, rank + 1 :])
+                rows_p2p = None
             zero += [t for t in parts if t.numel()]
-        return zero, own, src
+        return zero, own, src, rows_p2p or None
 
     # -- unshard / reshard -----------------------------------------------------------------
     @property
@@ -303,9 +313,22 @@ class Bucket:
         ):
             # gloo: straight into the param-major unsharded buffer (no staging, no copy-out)
             self._alloc_unsharded()
-            self.pending = comm.all_gather_in_place(
-                flat, group, unit=self.unit_fqn, prepare=self._fill_for_gather
-            )
+            views = self._gather_views
+            if views is None:
+                views = self._gather_views = self._build_gather_views()
+            if views[3] is not None and comm.gloo_p2p:
+                self.pending = comm.all_gather_p2p(
+                    flat,
+                    views[3],
+                    self.mesh_info.shard_rank,
+                    group,
+                    unit=self.unit_fqn,
+                    prepare=self._fill_own_rows,
+                )
+            else:
+                self.pending = comm.all_gather_in_place(
+                    flat, group, unit=self.unit_fqn, prepare=self._fill_for_gather
+                )
             return
         if self.storage_owner is StorageOwner.ALL_GATHER_OUTPUT and custom is None:
             self._alloc_unsharded()

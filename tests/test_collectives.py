@@ -93,6 +93,15 @@ def gloo_stand_ins_match_native():
         mine.view(world, shard)[rank] = inp
         coll._all_gather_by_all_reduce(mine, group=None, async_op=True).wait()
         out[f"ag {dtype} {shard}"] = torch.equal(_bits_of(mine), _bits_of(native))
+        # point-to-point, into (world, n) rows of two members (split after 3 elements)
+        p2p = torch.empty(world * shard, dtype=dtype)
+        rows = [p2p[: world * 3].view(world, 3), p2p[world * 3 :].view(world, shard - 3)]
+        rows[0][rank], rows[1][rank] = inp[:3], inp[3:]
+        coll._all_gather_p2p(rows, rank, None).wait()
+        expect = torch.cat(
+            [native.view(world, shard)[:, :3].flatten(), native.view(world, shard)[:, 3:].flatten()]
+        )
+        out[f"ag p2p {dtype} {shard}"] = torch.equal(_bits_of(p2p), _bits_of(expect))
     torch.manual_seed(100 + rank)
     pack = torch.randn(world * 3001)
     native = torch.empty(3001)
@@ -105,6 +114,14 @@ def gloo_stand_ins_match_native():
     work.wait()
     work.wait()  # idempotent
     out["rs"] = torch.equal(_bits_of(mine), _bits_of(native))
+    if world == 2:  # the pair reduce-scatter
+        torch.manual_seed(100 + rank)
+        pack = torch.randn(world * 3001)
+        pack[:2] = torch.tensor([-0.0, 0.0]) if rank else torch.tensor([-0.0, -0.0])
+        dist.reduce_scatter_tensor(native, pack.clone())
+        pair = torch.empty(3001)
+        coll._reduce_scatter_pair(pair, pack, None).wait()
+        out["rs pair"] = torch.equal(_bits_of(pair), _bits_of(native))
     return out
 
 
@@ -114,7 +131,7 @@ def test_gloo_all_reduce_stand_ins_are_bit_exact(run_ranks, world):
         assert all(out.values()), out
 
 
-def train_with_gloo_collectives(all_reduce: bool):
+def train_with_gloo_collectives(all_reduce: bool, subgroup: bool = False):
     import torch.distributed as dist
     from torch.distributed.tensor import Shard
 
@@ -127,14 +144,20 @@ def train_with_gloo_collectives(all_reduce: bool):
         torch.manual_seed(0)
         model = Transformer(vocab=33, dim=12, n_layers=3, hidden=18)  # uneven shards
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        mesh = None
+        if subgroup:  # FSDP over pairs of ranks: point-to-point in group ranks
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pair", "shard"))["shard"]
         for i, block in enumerate(model.layers):
             kwargs = {"mp_policy": mp} if i == 1 else {}
+            kwargs["mesh"] = mesh
             if i == 2:  # dim-1 shards (gathered into strided parts of the buffer) among dim-0
                 kwargs["shard_placement_fn"] = lambda p: (
                     Shard(1) if p.ndim == 2 and p.shape[1] % 4 == 0 else None
                 )
             fully_shard(block, **kwargs)
-        fully_shard(model)
+        fully_shard(model, mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses = []
         with CollectiveCounter() as counter:
@@ -165,53 +188,64 @@ def train_with_gloo_collectives(all_reduce: bool):
         coll.GLOO_ALL_GATHER_MIN_BYTES = saved_min
 
 
-def gloo_all_reduce_training_is_exact():
-    a = train_with_gloo_collectives(True)
-    b = train_with_gloo_collectives(False)
+def gloo_all_reduce_training_is_exact(subgroup=False):
+    a = train_with_gloo_collectives(True, subgroup)
+    b = train_with_gloo_collectives(False, subgroup)
     same_params = all(torch.equal(_bits_of(x), _bits_of(y)) for x, y in zip(a[1], b[1]))
     return a[0] == b[0], same_params, a[2] == b[2], a[3], b[3]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_training_with_gloo_all_reduce_equals_native_bit_for_bit(run_ranks, world):
-    for losses, params, counts, on, off in run_ranks(world, gloo_all_reduce_training_is_exact):
+@pytest.mark.parametrize("world, subgroup", [(2, False), (4, False), (4, True)])
+def test_training_with_gloo_all_reduce_equals_native_bit_for_bit(run_ranks, world, subgroup):
+    # blocks 0 and 1 gather point-to-point (all members on dim 0; block 1 in bf16), block
+    # 2 by an all-reduce (dim-1 members); subgroup: FSDP over pairs of ranks
+    for losses, params, counts, on, off in run_ranks(
+        world, gloo_all_reduce_training_is_exact, subgroup
+    ):
         assert (losses, params, counts, on, off) == (True, True, True, True, False)
 
 
 def all_gather_algorithm_by_size():
     import torch.distributed as dist
+    from torch.distributed.tensor import Shard
 
     from hyperfsdp_core import _collectives as coll
 
     calls: list[tuple[str, int]] = []
 
     def spy(name, fn):
-        def call(out, *args, **kwargs):
-            calls.append((name, out.numel() * out.element_size()))
-            return fn(out, *args, **kwargs)
+        def call(*args, **kwargs):
+            views = args[0] if name == "p2p" else [args[0]]  # each member's rows / the output
+            calls.append((name, sum(v.numel() for v in views) * 4))
+            return fn(*args, **kwargs)
 
         return call
 
-    saved = coll._all_gather, coll._all_gather_by_all_reduce, coll.GLOO_ALL_GATHER_MIN_BYTES
-    coll._all_gather = spy("native", saved[0])
-    coll._all_gather_by_all_reduce = spy("all_reduce", saved[1])
-    coll.GLOO_ALL_GATHER_MIN_BYTES = 4096  # between the two units' unsharded sizes
+    names = ("_all_gather", "_all_gather_by_all_reduce", "_all_gather_p2p")
+    saved = [getattr(coll, n) for n in names] + [coll.GLOO_ALL_GATHER_MIN_BYTES]
+    for n, label, fn in zip(names, ("native", "all_reduce", "p2p"), saved):
+        setattr(coll, n, spy(label, fn))
+    coll.GLOO_ALL_GATHER_MIN_BYTES = 4096  # between the small unit's size and the others'
     try:
         torch.manual_seed(0)
-        small, big = nn.Linear(8, 64), nn.Linear(64, 64)  # 2304 and 16640 bytes unsharded
+        # 2304 bytes unsharded; 16640 with every member on dim 0; 16640 with a dim-1 member
+        small, big, big_dim1 = nn.Linear(8, 64), nn.Linear(64, 64), nn.Linear(64, 64)
         fully_shard(small)
         fully_shard(big)
-        model = nn.Sequential(small, big)
+        fully_shard(big_dim1, shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)
+        model = nn.Sequential(small, big, big_dim1)
         fully_shard(model)
         model(torch.randn(2, 8) + dist.get_rank()).sum().backward()
         return sorted(set(calls))
     finally:
-        coll._all_gather, coll._all_gather_by_all_reduce, coll.GLOO_ALL_GATHER_MIN_BYTES = saved
+        for n, fn in zip(names, saved):
+            setattr(coll, n, fn)
+        coll.GLOO_ALL_GATHER_MIN_BYTES = saved[-1]
 
 
-def test_small_all_gathers_use_gloo_own_large_ones_an_all_reduce(run_ranks):
+def test_gloo_all_gather_algorithm_by_size_and_layout(run_ranks):
     for calls in run_ranks(2, all_gather_algorithm_by_size):
-        assert calls == [("all_reduce", 16640), ("native", 2304)], calls
+        assert calls == [("all_reduce", 16640), ("native", 2304), ("p2p", 16640)], calls
 
 
 # -- CPU: resharded unsharded buffers park their memory for the next unshard ---------------------

@@ -95,6 +95,18 @@ class CollectiveCounter:
                 if entry is not None and entry[0] is value:
                     setattr(mod, attr, entry[1])
                     self.aliases.append(f"{mod_name}.{attr}")
+        # hyperfsdp's point-to-point all-gather (gloo, dim-0 buckets): one all-gather of the
+        # unsharded bytes, made of sends and receives the wrappers above do not see;
+        # and its pair reduce-scatter (one reduce-scatter of the full input)
+        coll = sys.modules.get("hyperfsdp_core._collectives")
+        for attr, name, kind, index in (
+            ("_all_gather_p2p", "all_gather_p2p", "list", 0),
+            ("_reduce_scatter_pair", "reduce_scatter_pair", "tensor", 1),
+        ):
+            fn = getattr(coll, attr, None)
+            if fn is not None and not getattr(fn, "_hyperfsdp_bench_wrapped", False):
+                setattr(coll, attr, self._wrap(name, fn, kind, index))
+                self.installed.append(name)
 
     def _wrap(self, name: str, fn, kind: str, index: int):
         local = self._local

@@ -11,8 +11,10 @@ from .. import _collectives as _coll
 KINDS = {
     "_all_gather": "ag",
     "_all_gather_by_all_reduce": "ag",
+    "_all_gather_p2p": "ag",
     "_reduce_scatter": "rs",
     "_reduce_scatter_in_place": "rs",
+    "_reduce_scatter_pair": "rs",
     "_all_reduce": "ar",
 }
 
