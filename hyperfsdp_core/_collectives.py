@@ -117,11 +117,11 @@ class _CopyAfterWait:
         return True
 
 
-def _reduce_scatter_pair(output: torch.Tensor, input: torch.Tensor, group):
+def _reduce_scatter_pair(output: torch.Tensor, input: torch.Tensor, op, group):
     """Sum-reduce-scatter over a group of two ranks by point-to-point: send the peer its
     chunk, receive ours from it into ``output`` and add our own. One addition per element,
     as gloo's all-reduce makes for two ranks (addition commutes bit for bit), with half
-    its bytes and no full-size buffer."""
+    its bytes and no full-size buffer. ``op`` must be ``SUM``."""
     rank = dist.get_rank(group)
     peer = 1 - rank
     chunks = input.view(2, -1)
@@ -431,7 +431,7 @@ class Comm:
         self.stats.all_gather_bytes += buffer.numel() * buffer.element_size()
         if self.observers:
             self._observe("all_gather", group, buffer, unit)
-        call = lambda: _all_gather_p2p(rows, rank, group)  # noqa: E731
+        call = lambda: _all_gather_p2p(rows, rank, group=group)  # noqa: E731
         return self._issue(None, call, (buffer,), prepare)
 
     def reduce_scatter(
@@ -455,7 +455,7 @@ class Comm:
             call = lambda: custom(out, inp, group, op, async_op=self.is_cpu)  # noqa: E731
         elif scratch_input and inp.is_contiguous() and self.uses_all_reduce(group):
             if self.gloo_p2p and op == dist.ReduceOp.SUM and self._group_size(group) == 2:
-                call = lambda: _reduce_scatter_pair(out, inp, group)  # noqa: E731
+                call = lambda: _reduce_scatter_pair(out, inp, op=op, group=group)  # noqa: E731
             else:
                 call = lambda: _reduce_scatter_in_place(  # noqa: E731
                     out, inp, op=op, group=group, async_op=True

@@ -97,7 +97,7 @@ def gloo_stand_ins_match_native():
         p2p = torch.empty(world * shard, dtype=dtype)
         rows = [p2p[: world * 3].view(world, 3), p2p[world * 3 :].view(world, shard - 3)]
         rows[0][rank], rows[1][rank] = inp[:3], inp[3:]
-        coll._all_gather_p2p(rows, rank, None).wait()
+        coll._all_gather_p2p(rows, rank, group=None).wait()
         expect = torch.cat(
             [native.view(world, shard)[:, :3].flatten(), native.view(world, shard)[:, 3:].flatten()]
         )
@@ -120,7 +120,7 @@ def gloo_stand_ins_match_native():
         pack[:2] = torch.tensor([-0.0, 0.0]) if rank else torch.tensor([-0.0, -0.0])
         dist.reduce_scatter_tensor(native, pack.clone())
         pair = torch.empty(3001)
-        coll._reduce_scatter_pair(pair, pack, None).wait()
+        coll._reduce_scatter_pair(pair, pack, op=dist.ReduceOp.SUM, group=None).wait()
         out["rs pair"] = torch.equal(_bits_of(pair), _bits_of(native))
     return out
 

@@ -502,8 +502,10 @@ def hsdp_order():
     fully_shard(model, mesh=mesh)
     opts = optimizers(model, ref)
     log = []
-    # on gloo the core's reduce-scatter is an in-place all-reduce (_reduce_scatter_in_place)
+    # on gloo the core's reduce-scatter is an in-place all-reduce (_reduce_scatter_in_place),
+    # or point-to-point over two ranks (_reduce_scatter_pair: the shard groups here)
     orig_rs, orig_rs_ar = coll._reduce_scatter, coll._reduce_scatter_in_place
+    orig_rs_pair = coll._reduce_scatter_pair
     orig_ar = coll._all_reduce
 
     def logged_reduce_scatter(orig):
@@ -520,6 +522,7 @@ def hsdp_order():
 
     coll._reduce_scatter = logged_reduce_scatter(orig_rs)
     coll._reduce_scatter_in_place = logged_reduce_scatter(orig_rs_ar)
+    coll._reduce_scatter_pair = logged_reduce_scatter(orig_rs_pair)
     coll._all_reduce = all_reduce
     try:
         for i in range(2):
@@ -530,6 +533,7 @@ def hsdp_order():
             step(opts)
     finally:
         coll._reduce_scatter, coll._reduce_scatter_in_place = orig_rs, orig_rs_ar
+        coll._reduce_scatter_pair = orig_rs_pair
         coll._all_reduce = orig_ar
     assert_close_params(model, ref, atol=ATOL, rtol=RTOL)
     return log
