@@ -7,7 +7,8 @@ all-gather as ``all_gather_into_tensor``, as ``all_gather`` into a list of views
 as an all-reduce of a zero-padded buffer; reduce-scatter as ``reduce_scatter_tensor``,
 as ``reduce_scatter`` from a list, and as an all-reduce followed by taking this rank's
 slice (all-gather also as an integer all-reduce of the bit patterns, exact for every
-value, -0.0 included). It also says whether each stand-in's result is bitwise equal to
+value, -0.0 included); and the core's own: the point-to-point all-gather and, at
+world 2, the pair reduce-scatter (a send, a receive and one addition). It also says whether each stand-in's result is bitwise equal to
 the native one. Median milliseconds over ``--repeats`` runs, slowest rank; and the peak
 bytes malloc allocated inside each call beyond the caller's buffers (gloo's internal
 staging), sampled with ``mallinfo2`` over all threads.
@@ -42,7 +43,11 @@ def _time(fn, repeats: int) -> float:
     return float(mine) * 1e3
 
 
-def _variants(world, rank, shard, inp, out, views, zero_padded, grads, rs_out, work):
+def _variants(world, rank, shard, inp, out, views, zero_padded, grads, rs_out, work, p2p):
+    from hyperfsdp_core import _collectives as coll
+
+    rows = [p2p.view(world, shard)]
+
     def ag_tensor():
         dist.all_gather_into_tensor(out, inp)
 
@@ -59,8 +64,16 @@ def _variants(world, rank, shard, inp, out, views, zero_padded, grads, rs_out, w
         zero_padded[rank * shard : (rank + 1) * shard].copy_(inp)
         dist.all_reduce(zero_padded.view(torch.int32))
 
+    def ag_p2p():  # the core's point-to-point all-gather (one member)
+        rows[0][rank].copy_(inp)
+        coll._all_gather_p2p(rows, rank, group=None).wait()
+
     def rs_tensor():
         dist.reduce_scatter_tensor(rs_out, grads)
+
+    def rs_pair():  # the core's two-rank reduce-scatter (a send, a receive, one addition)
+        if world == 2:
+            coll._reduce_scatter_pair(rs_out, grads, op=dist.ReduceOp.SUM, group=None).wait()
 
     def rs_list():
         dist.reduce_scatter(rs_out, list(grads.view(world, shard)))
@@ -74,9 +87,11 @@ def _variants(world, rank, shard, inp, out, views, zero_padded, grads, rs_out, w
         "ag_list": ag_list,
         "ag_all_reduce": ag_all_reduce,
         "ag_all_reduce_int": ag_all_reduce_int,
+        "ag_p2p": ag_p2p,
         "rs_tensor": rs_tensor,
         "rs_list": rs_list,
         "rs_all_reduce": rs_all_reduce,
+        "rs_pair": rs_pair,
     }
 
 
@@ -106,7 +121,8 @@ def rank_main(mib_list, repeats):
         grads = torch.randn(full)
         rs_out = torch.empty(shard)
         work = grads.clone()
-        fns = _variants(world, rank, shard, inp, out, views, zero_padded, grads, rs_out, work)
+        p2p = torch.empty(full)
+        fns = _variants(world, rank, shard, inp, out, views, zero_padded, grads, rs_out, work, p2p)
         row = {"mib": mib}
         for name, fn in fns.items():
             row[name] = _time(fn, repeats)
@@ -119,6 +135,8 @@ def rank_main(mib_list, repeats):
         row["ag_all_reduce_exact"] = bool(torch.equal(zero_padded, reference))
         fns["ag_all_reduce_int"]()
         row["ag_all_reduce_int_exact"] = bool(torch.equal(zero_padded, reference))
+        fns["ag_p2p"]()
+        row["ag_p2p_exact"] = bool(torch.equal(p2p, reference))
         fns["ag_list"]()
         row["ag_list_exact"] = bool(torch.equal(out, reference))
         fns["rs_tensor"]()
@@ -126,6 +144,11 @@ def rank_main(mib_list, repeats):
         fns["rs_all_reduce"]()
         slice_ = work[rank * shard : (rank + 1) * shard]
         row["rs_all_reduce_exact"] = bool(torch.equal(slice_, reference))
+        if world == 2:
+            fns["rs_pair"]()
+            row["rs_pair_exact"] = bool(torch.equal(rs_out, reference))
+        else:
+            row["rs_pair"] = float("nan")  # two ranks only
         fns["rs_list"]()
         row["rs_list_exact"] = bool(torch.equal(rs_out, reference))
         results.append(row)
@@ -137,9 +160,11 @@ COLS = (
     "ag_list",
     "ag_all_reduce",
     "ag_all_reduce_int",
+    "ag_p2p",
     "rs_tensor",
     "rs_list",
     "rs_all_reduce",
+    "rs_pair",
 )
 
 
