@@ -247,11 +247,13 @@ class StoragePool:
     then empty, as after ``resize_(0)``); an unshard of the same byte size takes it back
     instead of faulting in fresh pages from the OS. Like :class:`BufferPool`: one size
     class at a time and at most ``max_idle`` parked buffers, emptied with the other
-    pools at the end of every forward and backward. With prefetching, the memory a unit
-    gives up is taken by the prefetch issued next, so parking holds nothing the freeing
-    did not: it changes where the pages come from, not how many are in use. Once a
-    pass has no unshard left to issue (a unit found nothing to prefetch), :meth:`stop`
-    frees what is parked and reshards free again until :meth:`resume` (the next pass).
+    pools at the end of every forward and backward. It parks in forward only: there a
+    unit reshards just before the next unit's pre-forward prefetches, which takes the
+    memory at once, so parking holds nothing the freeing did not (it changes where the
+    pages come from, not how many are in use). Once the forward has no unshard left to
+    issue (a unit found nothing to prefetch), and for the whole backward (where a
+    prefetch is issued before the previous unit reshards), :meth:`stop` frees what is
+    parked and reshards free until :meth:`resume` (the next forward).
     """
 
     def __init__(self, max_idle: int = 2) -> None:

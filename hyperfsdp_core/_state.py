@@ -316,6 +316,7 @@ class FSDPState:
         event, ctx.post_optim_event = ctx.post_optim_event, None
         comm = ctx.comm
         if comm.is_cpu:
+            comm.resume_parking()  # this forward's reshards park their memory
             return args, kwargs
         # The optimizer step must finish before all-gathers read the sharded params.
         if event is not None:
@@ -464,9 +465,12 @@ class FSDPState:
     def _backward_prefetch(self, ctx: RootContext) -> None:
         targets = self.backward_prefetch
         if targets is None:
-            index = self.post_forward_indices.pop() if self.post_forward_indices else 0
-            targets = [ctx.post_forward_order[index - 1]] if index > 0 else []
-        issued = False
+            if not self.post_forward_indices:
+                return
+            index = self.post_forward_indices.pop()
+            if index == 0:
+                return
+            targets = [ctx.post_forward_order[index - 1]]
         for target in targets:
             # a unit whose backward already ran this pass (e.g. a stale entry from an
             # earlier microbatch) must not be gathered again: nothing would free it
@@ -476,10 +480,7 @@ class FSDPState:
                 and target is not self
                 and target.training_state is not S.BACKWARD
             ):
-                issued = issued or target.group.is_sharded
                 target.group.unshard(target.comm)
-        if not issued:  # nothing left to gather in this backward: stop parking memory
-            ctx.comm.stop_parking()
 
     def post_backward(self, force: bool = False) -> None:
         """Reduce this unit's gradients and reshard; idempotent within one backward.
