@@ -25,13 +25,17 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_reduce = dist.all_reduce
 _broadcast = dist.broadcast
 
-#: On gloo (CPU) the core's all-gathers and reduce-scatters are all-reduces, in place:
-#: gloo's ``all_gather_into_tensor`` (and its list form) gathers into a full-size buffer of
-#: its own and copies out of it, and its ``reduce_scatter_tensor`` is a full-size clone of
-#: the input, an all-reduce of the clone and a copy of this rank's chunk. See
-#: ``_all_gather_by_all_reduce`` and ``_reduce_scatter_in_place``; both give the native
-#: collectives' results bit for bit. ``HYPERFSDP_GLOO_NATIVE_COLLECTIVES=1`` (read when a
-#: root's communication state is created) uses gloo's own instead.
+#: On gloo (CPU) the core gathers and reduces without gloo's full-size buffers: gloo's
+#: ``all_gather_into_tensor`` (and its list form) gathers into a full-size buffer of its
+#: own and copies out of it, and its ``reduce_scatter_tensor`` is a full-size clone of the
+#: input, an all-reduce of the clone and a copy of this rank's chunk. Instead, all-gathers
+#: of 1 MiB and more go straight into the unsharded buffer, point-to-point
+#: (``_all_gather_p2p``, all members on dim 0) or as an integer all-reduce
+#: (``_all_gather_by_all_reduce``); sum-reduce-scatters are point-to-point over two ranks
+#: (``_reduce_scatter_pair``) and an all-reduce in place on the engine's own pack over more
+#: (``_reduce_scatter_in_place``). Every one gives gloo's own results bit for bit.
+#: ``HYPERFSDP_GLOO_NATIVE_COLLECTIVES=1`` (read when a root's communication state is
+#: created) uses gloo's own instead. Figures: docs/performance.md.
 GLOO_ALL_REDUCE = os.environ.get("HYPERFSDP_GLOO_NATIVE_COLLECTIVES", "") != "1"
 #: ... except all-gathers of less than this many bytes (the full, unsharded size): for those
 #: gloo's own all-gather wins on latency (one exchange where an all-reduce makes two: 0.35
@@ -59,13 +63,9 @@ def _all_gather_by_all_reduce(buffer: torch.Tensor, group, async_op: bool):
     return dist.all_reduce(_bits(buffer), op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
-#: ... and all-gathers of buckets whose members are all sharded on dim 0 are point-to-point
-#: sends and receives instead (each rank's rows of every member go straight from its
-#: unsharded buffer into the same rows of every peer's): plain copies, so exact; half the
-#: bytes of an all-reduce, no sum, no zero fill and no gloo-internal buffer. At world 2,
-#: 16 MiB: 6-8 ms against 19 for the all-reduce and 12 for gloo's own all-gather. The same
-#: switch makes sum-reduce-scatters over groups of two ranks point-to-point
-#: (``_reduce_scatter_pair``).
+#: Point-to-point forms (``_all_gather_p2p``, ``_reduce_scatter_pair``) where they apply:
+#: plain copies (and one addition), half the bytes of an all-reduce, no sum, no zero fill.
+#: At world 2, 16 MiB: 6 ms against 13 for the all-reduce and 10 for gloo's own all-gather.
 GLOO_P2P_ALL_GATHER = True
 
 
