@@ -12,29 +12,6 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-CONFIG_CHOICES = (
-    "even",
-    "uneven",
-    "bf16",
-    "no-reshard",
-    "hsdp",
-    "tp",
-    "param-heavy",
-    "offload",
-    "host-overhead",
-)
-IMPL_CHOICES = ("hyperfsdp", "fsdp2", "ddp", "floor")
-#: opt-in: hyperfsdp with its CPU communication knobs on (separate reduce-scatter group, 2 in
-#: flight); hyperfsdp with gloo's own collectives; any implementation with AdamW(foreach=True)
-VARIANT_CHOICES = (
-    "hyperfsdp-tuned",
-    "hyperfsdp-native",
-    "hyperfsdp-foreach",
-    "fsdp2-foreach",
-    "ddp-foreach",
-    "floor-foreach",
-)
-
 
 def _checkout_benchmarks() -> Path:
     import hyperfsdp_core
@@ -45,6 +22,16 @@ def _checkout_benchmarks() -> Path:
 def available() -> bool:
     """Whether the suite is here: a source checkout (``pip install -e .``), not a wheel."""
     return (_checkout_benchmarks() / "hyperfsdp_bench" / "__init__.py").is_file()
+
+
+def _names():
+    """The suite's configuration and implementation names (``hyperfsdp_bench.names``)."""
+    path = benchmarks_dir()
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))  # spawned rank processes inherit sys.path
+    from hyperfsdp_bench import names
+
+    return names
 
 
 def benchmarks_dir() -> Path:
@@ -67,6 +54,7 @@ def _positive(value: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    names = _names()
     preset = p.add_mutually_exclusive_group()
     preset.add_argument(
         "--quick",
@@ -94,7 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--config",
         action="append",
-        choices=CONFIG_CHOICES,
+        choices=(*names.MODEL_CONFIGS, names.HOST_OVERHEAD),
         help="run only these configurations (repeatable); combinations the preset lacks are built",
     )
     p.add_argument(
@@ -106,7 +94,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--impl",
         action="append",
-        choices=IMPL_CHOICES + VARIANT_CHOICES,
+        choices=names.IMPLS + names.VARIANTS,
         help="only these implementations (repeatable; default: the four main ones; "
         "hyperfsdp-tuned adds hyperfsdp with its CPU communication knobs on; hyperfsdp-native "
         "with gloo's own all-gather and reduce-scatter; <impl>-foreach that implementation "
@@ -182,8 +170,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     path = benchmarks_dir()
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))  # spawned rank processes inherit sys.path
+    names = _names()  # puts the suite on sys.path
     from hyperfsdp_bench.cases import PRESETS, select_cases
     from hyperfsdp_bench.suite import Options
     from hyperfsdp_bench.suite import run as run_suite
@@ -193,7 +180,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
         configs=args.config,
         worlds=args.world_size,
         layers=args.layers,
-        impls=tuple(args.impl) if args.impl else IMPL_CHOICES,
+        impls=tuple(args.impl) if args.impl else names.IMPLS,
         steps=args.steps,
         rounds=args.rounds,
         warmup=args.warmup,

@@ -9,6 +9,7 @@ import attrs
 
 from .impls import ALL_IMPLS, CaseSpec, parse_impl
 from .model import ModelConfig
+from .names import HOST_OVERHEAD, MODEL_CONFIGS
 
 #: Model configurations (``--config``). Dims: ~11M parameters at 8 layers.
 CONFIGS = {
@@ -24,8 +25,6 @@ CONFIGS = {
     "offload and FSDP2 with CPUOffloadPolicy(pin_memory=False) (hyperfsdp needs hyperfsdp-offload)",
     "host-overhead": "64 tiny blocks (dim 32): per-unit host cost, compute negligible",
 }
-MODEL_CONFIGS = ("even", "uneven", "bf16", "no-reshard", "hsdp", "tp", "param-heavy", "offload")
-HOST_OVERHEAD = "host-overhead"
 #: host overhead: no DDP (the floor is the reference); any variant of the others
 HOST_OVERHEAD_BASES = ("hyperfsdp", "fsdp2", "floor")
 #: tensor parallelism: the two FSDPs only (DDP and the floor have no TP counterpart here)

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from .model import ModelConfig, build_model
+from .names import IMPLS, OFFLOAD_VARIANTS, VARIANTS
 
-IMPLS = ("hyperfsdp", "fsdp2", "ddp", "floor")
 #: Opt-in variants (``--impl``), each a main implementation with one change:
 #:
 #: - ``hyperfsdp-tuned``: hyperfsdp with its CPU communication knobs turned on, to measure
@@ -26,15 +26,7 @@ IMPLS = ("hyperfsdp", "fsdp2", "ddp", "floor")
 #: ``fsdp2-no-offload`` (the same without offload) and ``fsdp2-unpinned`` (FSDP2's
 #: ``CPUOffloadPolicy(pin_memory=False)``, which runs without an accelerator where the
 #: default ``CPUOffloadPolicy()`` refuses).
-VARIANTS = (
-    "hyperfsdp-tuned",
-    "hyperfsdp-native",
-    "hyperfsdp-foreach",
-    "fsdp2-foreach",
-    "ddp-foreach",
-    "floor-foreach",
-)
-OFFLOAD_VARIANTS = ("hyperfsdp-no-offload", "fsdp2-unpinned", "fsdp2-no-offload")
+#: (the names: ``names.VARIANTS``, ``names.OFFLOAD_VARIANTS``)
 ALL_IMPLS = IMPLS + VARIANTS + OFFLOAD_VARIANTS
 #: Main implementations that run under torch.distributed (the floor runs one independent
 #: process per rank).
