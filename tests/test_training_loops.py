@@ -107,6 +107,17 @@ def batch(seed, world=None):
     return token_batch(seed, 2 * world, 5, VOCAB)
 
 
+def backward_both(model, ref, i):
+    """Forward and backward of batch ``i`` on both models; the losses must agree."""
+    x, y = batch(i)
+    loss = lm_loss(model(local_slice(x)), local_slice(y))
+    loss.backward()
+    ref_loss = lm_loss(ref(x), y)
+    ref_loss.backward()
+    assert_loss(loss, ref_loss, f"step {i}")
+    return loss
+
+
 # -- 1. every backward drains; tree-wide settings ----------------------------------------------------
 
 
@@ -215,12 +226,7 @@ def compiled_blocks(backend, steps):
     opts = optimizers(model, ref)
     losses = []
     for i in range(steps):
-        x, y = batch(i)
-        loss = lm_loss(model(local_slice(x)), local_slice(y))
-        loss.backward()
-        ref_loss = lm_loss(ref(x), y)
-        ref_loss.backward()
-        assert_loss(loss, ref_loss, f"step {i}")
+        loss = backward_both(model, ref, i)
         losses.append(mean_over_ranks(loss))
         step(opts)
     assert_close_params(model, ref, atol=ATOL, rtol=RTOL)
@@ -362,12 +368,7 @@ def evaluate_mid_step(mode, reshard_after_forward):
     opts = optimizers(model, ref, lr=5e-2)
     evaluate(model, ref, mode, 99)  # before any training: the first forward (lazy init)
     for i in range(3):
-        x, y = batch(i)
-        loss = lm_loss(model(local_slice(x)), local_slice(y))
-        loss.backward()
-        ref_loss = lm_loss(ref(x), y)
-        ref_loss.backward()
-        assert_loss(loss, ref_loss, f"step {i}")
+        backward_both(model, ref, i)
         evaluate(model, ref, mode, 100 + i)  # between backward and optimizer step
         step(opts)
     x, y = batch(50)  # the next training forward must see the updated parameters
@@ -405,12 +406,7 @@ def frozen_anywhere():
         for m in (model, ref)
     ]
     for i in range(3):
-        x, y = batch(i)
-        loss = lm_loss(model(local_slice(x)), local_slice(y))
-        loss.backward()
-        ref_loss = lm_loss(ref(x), y)
-        ref_loss.backward()
-        assert_loss(loss, ref_loss, f"step {i}")
+        backward_both(model, ref, i)
         assert_grads(model, ref, f"step {i}")
         step(opts)
     assert_close_params(model, ref, atol=ATOL, rtol=RTOL)
