@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .report import peak_over_ranks
+
 MiB = 1024 * 1024
 #: drawing order and colours (others follow in the order they ran)
 IMPL_ORDER = ("hyperfsdp", "fsdp2", "ddp", "floor")
@@ -36,8 +38,7 @@ def _point(res: dict | None, impl: str) -> tuple[float | None, float | None, flo
     r = res["impls"].get(impl)
     if r is None or r.get("status") != "ok":
         return None, None, None
-    rss = max((x for x in r.get("peak_rss_bytes", []) if x), default=None)
-    heap = max((x for x in r.get("peak_heap_bytes", []) if x), default=None)
+    rss, heap = peak_over_ranks(r, "peak_rss_bytes"), peak_over_ranks(r, "peak_heap_bytes")
     return r["median_s"], rss / MiB if rss else None, heap / MiB if heap else None
 
 

@@ -8,6 +8,12 @@ from collections.abc import Sequence
 MiB = 1024 * 1024
 
 
+def peak_over_ranks(r: dict, key: str) -> int | None:
+    """The largest per-rank figure of one implementation's ``r[key]`` (peak RSS or heap
+    bytes; zeros, where a rank could not measure, are left out), or None."""
+    return max((x for x in r.get(key, []) if x), default=None)
+
+
 def _f(x, fmt: str = ".3f", none: str = "-") -> str:
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return none
@@ -165,8 +171,8 @@ def detail_table(results: dict, markdown: bool = False, notes: list[str] | None 
             if r.get("status") != "ok":
                 rows.append([res["case"], impl, _note(notes, res, impl, r)] + [""] * 13)
                 continue
-            peak = max((x for x in r["peak_rss_bytes"] if x), default=None)
-            heap = max((x for x in r.get("peak_heap_bytes", []) if x), default=None)
+            peak = peak_over_ranks(r, "peak_rss_bytes")
+            heap = peak_over_ranks(r, "peak_heap_bytes")
             rows.append(
                 [
                     res["case"],
@@ -270,8 +276,8 @@ def offload_table(results: dict, markdown: bool = False) -> str:
                 status = (r.get("status") or "?").strip().splitlines()[0]
                 rows.append([res["case"], impl] + ["-"] * 7 + [status[:90]])
                 continue
-            peak = max((x for x in r["peak_rss_bytes"] if x), default=None)
-            heap = max((x for x in r.get("peak_heap_bytes", []) if x), default=None)
+            peak = peak_over_ranks(r, "peak_rss_bytes")
+            heap = peak_over_ranks(r, "peak_heap_bytes")
 
             def rel(other: dict | None, r: dict = r) -> str:
                 return _ratio(r["median_s"] / other["median_s"]) if other else "-"

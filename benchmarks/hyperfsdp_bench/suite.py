@@ -461,12 +461,7 @@ def run(opts: Options, argv: Sequence[str] | None = None) -> dict:
     if opts.json_path is not None:
         _write_json(opts.json_path, results)
         print(f"\nresults: {opts.json_path}")
-    if opts.markdown_path is not None:
-        opts.markdown_path.parent.mkdir(parents=True, exist_ok=True)
-        opts.markdown_path.write_text(report.render(results, markdown=True) + "\n")
-        print(f"markdown: {opts.markdown_path}")
-    if opts.charts_dir is not None:
-        _draw(results, opts.charts_dir)
+    _write_extras(results, opts)
     return results
 
 
@@ -492,13 +487,20 @@ def replot(paths: Sequence[Path], opts: Options) -> int:
 
     results = merge_results([json.loads(Path(p).read_text()) for p in paths])
     print(report.render(results))
+    _write_extras(results, opts)
+    return 0
+
+
+def _write_extras(results: dict, opts: Options) -> None:
+    """The Markdown tables and the charts that ``opts`` asks for."""
+    from . import report
+
     if opts.markdown_path is not None:
         opts.markdown_path.parent.mkdir(parents=True, exist_ok=True)
         opts.markdown_path.write_text(report.render(results, markdown=True) + "\n")
         print(f"markdown: {opts.markdown_path}")
     if opts.charts_dir is not None:
         _draw(results, opts.charts_dir)
-    return 0
 
 
 def _draw(results: dict, directory: Path) -> None:
