@@ -73,7 +73,9 @@ def _variants(world, rank, shard, inp, out, views, zero_padded, grads, rs_out, w
 
     def rs_pair():  # the core's two-rank reduce-scatter (a send, a receive, one addition)
         if world == 2:
-            coll._reduce_scatter_pair(rs_out, grads, op=dist.ReduceOp.SUM, group=None).wait()
+            coll._reduce_scatter_pair(
+                rs_out, grads, op=dist.ReduceOp.SUM, group=None, rank=rank
+            ).wait()
 
     def rs_list():
         dist.reduce_scatter(rs_out, list(grads.view(world, shard)))

@@ -117,12 +117,12 @@ class _CopyAfterWait:
         return True
 
 
-def _reduce_scatter_pair(output: torch.Tensor, input: torch.Tensor, op, group):
+def _reduce_scatter_pair(output: torch.Tensor, input: torch.Tensor, op, group, rank: int):
     """Sum-reduce-scatter over a group of two ranks by point-to-point: send the peer its
     chunk, receive ours from it into ``output`` and add our own. One addition per element,
     as gloo's all-reduce makes for two ranks (addition commutes bit for bit), with half
-    its bytes and no full-size buffer. ``op`` must be ``SUM``."""
-    rank = dist.get_rank(group)
+    its bytes and no full-size buffer. ``op`` must be ``SUM``; ``rank`` is this rank's
+    in ``group``."""
     peer = 1 - rank
     chunks = input.view(2, -1)
     works = [
@@ -137,11 +137,14 @@ def _reduce_scatter_pair(output: torch.Tensor, input: torch.Tensor, op, group):
 _PAIR_REDUCE_TAG = 1 << 20
 
 
-def _reduce_scatter_in_place(output: torch.Tensor, input: torch.Tensor, op, group, async_op):
+def _reduce_scatter_in_place(
+    output: torch.Tensor, input: torch.Tensor, op, group, async_op, rank: int, world: int
+):
     """gloo's ``reduce_scatter_tensor`` without its clone: the same all-reduce, in place on
-    ``input`` (the caller gives it up), then this rank's chunk copied to ``output``."""
+    ``input`` (the caller gives it up), then this rank's chunk (``rank`` of ``world`` in
+    ``group``) copied to ``output``."""
     work = dist.all_reduce(input, op=op, group=group, async_op=async_op)
-    chunk = input.view(dist.get_world_size(group), -1)[dist.get_rank(group)]
+    chunk = input.view(world, -1)[rank]
     if work is None:
         output.copy_(chunk)
         return None
@@ -326,7 +329,7 @@ class Comm:
         self.all_gather_min_bytes = GLOO_ALL_GATHER_MIN_BYTES
         self.gloo_p2p = GLOO_P2P_ALL_GATHER  # dim-0 buckets: point-to-point all-gathers
         self._is_gloo: dict = {}  # group -> whether its backend is gloo
-        self._sizes: dict = {}  # group -> its size
+        self._places: dict = {}  # group -> (this rank in it, its size)
         self.all_gather_stream = self.reduce_stream = None
         if not self.is_cpu:
             self._module = torch.get_device_module(device.type)
@@ -383,11 +386,12 @@ class Comm:
             known = self._is_gloo[group] = dist.get_backend(group) == "gloo"
         return known
 
-    def _group_size(self, group) -> int:
-        size = self._sizes.get(group)
-        if size is None:
-            size = self._sizes[group] = dist.get_world_size(group)
-        return size
+    def _place(self, group) -> tuple[int, int]:
+        """This rank's rank in ``group`` and the group's size (looked up once)."""
+        place = self._places.get(group)
+        if place is None:
+            place = self._places[group] = (dist.get_rank(group), dist.get_world_size(group))
+        return place
 
     def gathers_by_all_reduce(self, group, nbytes: int) -> bool:
         """Whether an all-gather of ``nbytes`` (unsharded) over ``group`` is an in-place
@@ -456,11 +460,12 @@ class Comm:
         if custom is not None:
             call = lambda: custom(out, inp, group, op, async_op=self.is_cpu)  # noqa: E731
         elif scratch_input and inp.is_contiguous() and self.uses_all_reduce(group):
-            if self.gloo_p2p and op == dist.ReduceOp.SUM and self._group_size(group) == 2:
-                call = lambda: _reduce_scatter_pair(out, inp, op=op, group=group)  # noqa: E731
+            rank, world = self._place(group)
+            if self.gloo_p2p and op == dist.ReduceOp.SUM and world == 2:
+                call = lambda: _reduce_scatter_pair(out, inp, op=op, group=group, rank=rank)  # noqa: E731
             else:
                 call = lambda: _reduce_scatter_in_place(  # noqa: E731
-                    out, inp, op=op, group=group, async_op=True
+                    out, inp, op=op, group=group, async_op=True, rank=rank, world=world
                 )
         else:
             call = lambda: _reduce_scatter(out, inp, op=op, group=group, async_op=self.is_cpu)  # noqa: E731

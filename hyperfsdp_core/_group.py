@@ -200,9 +200,8 @@ class Bucket:
 
     def _alloc_unsharded(self) -> None:
         """Give the unsharded buffer its memory: parked memory of its size if any is idle."""
-        flat = self.unsharded_flat
-        storage = flat.untyped_storage()
-        nbytes = flat.numel() * flat.element_size()
+        storage = self.unsharded_flat.untyped_storage()
+        nbytes = self.unsharded_nbytes
         if storage.size() == nbytes:
             return
         pool = self._storage_pool

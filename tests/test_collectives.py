@@ -108,7 +108,7 @@ def gloo_stand_ins_match_native():
     dist.reduce_scatter_tensor(native, pack.clone())
     mine = torch.empty(3001)
     work = coll._reduce_scatter_in_place(
-        mine, pack, op=dist.ReduceOp.SUM, group=None, async_op=True
+        mine, pack, op=dist.ReduceOp.SUM, group=None, async_op=True, rank=rank, world=world
     )
     out["rs before wait"] = work is not None
     work.wait()
@@ -120,7 +120,7 @@ def gloo_stand_ins_match_native():
         pack[:2] = torch.tensor([-0.0, 0.0]) if rank else torch.tensor([-0.0, -0.0])
         dist.reduce_scatter_tensor(native, pack.clone())
         pair = torch.empty(3001)
-        coll._reduce_scatter_pair(pair, pack, op=dist.ReduceOp.SUM, group=None).wait()
+        coll._reduce_scatter_pair(pair, pack, op=dist.ReduceOp.SUM, group=None, rank=rank).wait()
         out["rs pair"] = torch.equal(_bits_of(pair), _bits_of(native))
     return out
 
