@@ -157,16 +157,13 @@ def trainer_section(step: int | None, world_size: int) -> dict[str, Any]:
 
 def rng_state() -> dict[str, Any]:
     """This process's RNG states, as plain Python objects (bytes, tuples)."""
+    import numpy as np  # a dependency of this distribution, imported when first needed
+
     state: dict[str, Any] = {
         "torch": torch.get_rng_state().numpy().tobytes(),
         "python": random.getstate(),
+        "numpy": np.random.get_state(),
     }
-    try:
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
-    except ImportError:  # pragma: no cover - numpy is a dependency
-        pass
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = [s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()]
     return state
