@@ -43,6 +43,13 @@ GLOO_ALL_REDUCE = os.environ.get("HYPERFSDP_GLOO_NATIVE_COLLECTIVES", "") != "1"
 #: ``HYPERFSDP_GLOO_ALL_GATHER_MIN_BYTES`` overrides it (read when a root's communication
 #: state is created); figures in docs/performance.md.
 GLOO_ALL_GATHER_MIN_BYTES = int(os.environ.get("HYPERFSDP_GLOO_ALL_GATHER_MIN_BYTES", 1 << 20))
+#: Ranks of one host exchange all-gathers and two-rank reduce-scatters through shared
+#: memory instead (``_shm.py``): one copy in and one out, no socket, no worker thread; at
+#: world 2 a 16 MiB all-gather takes 3.5 ms against 10 for gloo's own. Used on gloo groups
+#: whose members all map each other's segments (decided together at a group's first
+#: collective); ``HYPERFSDP_SHM=0`` (read when a root's communication state is created)
+#: keeps gloo and the stand-ins above. Figures: docs/performance.md.
+SHM = os.environ.get("HYPERFSDP_SHM", "") != "0"
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -135,6 +142,21 @@ def _reduce_scatter_pair(output: torch.Tensor, input: torch.Tensor, op, group, r
 #: point-to-point tags of the pair reduce-scatter (the all-gathers use a bucket's member
 #: indices, 0 and up)
 _PAIR_REDUCE_TAG = 1 << 20
+
+
+def _all_gather_shm(out: torch.Tensor, inp: torch.Tensor, group, transport) -> None:
+    """All-gather through shared memory (``transport``: the group's ``ShmGroup``)."""
+    transport.all_gather(out, inp)
+
+
+def _all_gather_rows_shm(rows: list[torch.Tensor], group, transport) -> None:
+    """``_all_gather_p2p`` through shared memory: every peer's row of each view, into place."""
+    transport.all_gather_rows(rows)
+
+
+def _reduce_scatter_pair_shm(output: torch.Tensor, input: torch.Tensor, op, group, transport):
+    """``_reduce_scatter_pair`` through shared memory (``op`` must be ``SUM``)."""
+    transport.reduce_scatter_pair(output, input)
 
 
 def _reduce_scatter_in_place(
@@ -330,6 +352,9 @@ class Comm:
         self.gloo_p2p = GLOO_P2P_ALL_GATHER  # dim-0 buckets: point-to-point all-gathers
         self._is_gloo: dict = {}  # group -> whether its backend is gloo
         self._places: dict = {}  # group -> (this rank in it, its size)
+        #: shared-memory transports of gloo groups on one host (``_shm.py``)
+        self.use_shm = self.gloo_all_reduce and SHM
+        self._shm: dict = {}  # group -> ShmGroup, or None where gloo is kept
         self.all_gather_stream = self.reduce_stream = None
         if not self.is_cpu:
             self._module = torch.get_device_module(device.type)
@@ -393,10 +418,45 @@ class Comm:
             place = self._places[group] = (dist.get_rank(group), dist.get_world_size(group))
         return place
 
-    def gathers_by_all_reduce(self, group, nbytes: int) -> bool:
-        """Whether an all-gather of ``nbytes`` (unsharded) over ``group`` is an in-place
-        all-reduce (``uses_all_reduce`` and at least ``GLOO_ALL_GATHER_MIN_BYTES``)."""
-        return nbytes >= self.all_gather_min_bytes and self.uses_all_reduce(group)
+    def shm(self, group):
+        """``group``'s shared-memory transport, or None (not gloo, one rank, ``SHM`` off,
+        or some member cannot map the others' memory). Made at the group's first
+        collective, which every member reaches at the same point: making it is
+        collective."""
+        try:
+            return self._shm[group]
+        except KeyError:
+            pass
+        transport = None
+        if self.use_shm and self.uses_all_reduce(group):
+            rank, world = self._place(group)
+            if world > 1:
+                from ._shm import ShmGroup
+                from ._torch_private import group_timeout
+
+                transport = ShmGroup.create(group, rank, world, group_timeout(group))
+        self._shm[group] = transport
+        return transport
+
+    def gather_route(self, group, nbytes: int, rows: bool) -> str:
+        """How an all-gather of ``nbytes`` (unsharded) over ``group`` runs. ``rows``: every
+        member is sharded on dim 0, so each rank's part is one row of each member's
+        ``(world, n)`` view of the unsharded buffer.
+
+        - ``"rows"``: straight into those rows (shared memory, or gloo point-to-point
+          from ``GLOO_ALL_GATHER_MIN_BYTES``);
+        - ``"all_reduce"``: an in-place all-reduce of the unsharded buffer (gloo, from
+          ``GLOO_ALL_GATHER_MIN_BYTES``, some member on another dim);
+        - ``"native"``: into a rank-major staging buffer and copied out (through shared
+          memory where the group has it, else the backend's own all-gather).
+        """
+        if not self.uses_all_reduce(group):
+            return "native"
+        if self.shm(group) is not None:
+            return "rows" if rows else "native"
+        if nbytes < self.all_gather_min_bytes:
+            return "native"
+        return "rows" if rows and self.gloo_p2p else "all_reduce"
 
     # -- collectives ---------------------------------------------------------------------
     # ``custom`` is an FSDP2-style comm object (``set_custom_all_gather`` /
@@ -413,6 +473,8 @@ class Comm:
             self._observe("all_gather", group, out, unit)
         if custom is not None:
             call = lambda: custom(out, inp, group, async_op=self.is_cpu)  # noqa: E731
+        elif self.use_shm and (shm := self.shm(group)) is not None:
+            call = lambda: _all_gather_shm(out, inp, group=group, transport=shm)  # noqa: E731
         else:
             call = lambda: _all_gather(out, inp, group=group, async_op=self.is_cpu)  # noqa: E731
         return self._issue(self.all_gather_stream, call, (out, inp), prepare)
@@ -430,14 +492,19 @@ class Comm:
     def all_gather_p2p(
         self, buffer: torch.Tensor, rows: list[torch.Tensor], rank: int, group, *, unit, prepare
     ) -> Handle:
-        """All-gather into ``buffer`` by point-to-point (gloo, all members on dim 0):
-        ``prepare`` writes this rank's row of every ``rows`` view, then each row goes to
-        every peer (``_all_gather_p2p``)."""
+        """All-gather into ``buffer`` row by row (gloo, all members on dim 0): ``prepare``
+        writes this rank's row of every ``rows`` view, then each row goes to every peer,
+        through shared memory (``_all_gather_rows_shm``) or point-to-point
+        (``_all_gather_p2p``)."""
         self.stats.all_gathers += 1
         self.stats.all_gather_bytes += buffer.numel() * buffer.element_size()
         if self.observers:
             self._observe("all_gather", group, buffer, unit)
-        call = lambda: _all_gather_p2p(rows, rank, group=group)  # noqa: E731
+        shm = self.shm(group) if self.use_shm else None
+        if shm is not None:
+            call = lambda: _all_gather_rows_shm(rows, group=group, transport=shm)  # noqa: E731
+        else:
+            call = lambda: _all_gather_p2p(rows, rank, group=group)  # noqa: E731
         return self._issue(None, call, (buffer,), prepare)
 
     def reduce_scatter(
@@ -459,6 +526,15 @@ class Comm:
             self._observe("reduce_scatter", group, inp, unit)
         if custom is not None:
             call = lambda: custom(out, inp, group, op, async_op=self.is_cpu)  # noqa: E731
+        elif (
+            self.use_shm
+            and op == dist.ReduceOp.SUM
+            and inp.is_contiguous()
+            and self.uses_all_reduce(group)
+            and self._place(group)[1] == 2
+            and (shm := self.shm(group)) is not None
+        ):
+            call = lambda: _reduce_scatter_pair_shm(out, inp, op=op, group=group, transport=shm)  # noqa: E731
         elif scratch_input and inp.is_contiguous() and self.uses_all_reduce(group):
             rank, world = self._place(group)
             if self.gloo_p2p and op == dist.ReduceOp.SUM and world == 2:

@@ -97,6 +97,9 @@ class Bucket:
         # all-gather by all-reduce (gloo): views of the unsharded buffer to zero and to
         # fill with this rank's shards, and those shards (built at first use)
         self._gather_views: tuple[list, list, list] | None = None
+        # every member sharded on dim 0: this rank's part is one row of each member's
+        # (world, n) view of the unsharded buffer (gathered row by row)
+        self.dim0_rows = all(p.shard_dim == 0 for p in params)
         # where resharding parks the unsharded buffer's memory (the comm's, CPU), once an
         # unshard has run; None: freed
         self._storage_pool = None
@@ -305,17 +308,16 @@ class Bucket:
             return
         custom = self.custom_all_gather
         group = self.mesh_info.shard_group
-        if (
-            custom is None
-            and self.fill_input is None
-            and comm.gathers_by_all_reduce(group, self.unsharded_nbytes)
-        ):
+        route = "native"
+        if custom is None and self.fill_input is None:
+            route = comm.gather_route(group, self.unsharded_nbytes, self.dim0_rows)
+        if route != "native":
             # gloo: straight into the param-major unsharded buffer (no staging, no copy-out)
             self._alloc_unsharded()
             views = self._gather_views
             if views is None:
                 views = self._gather_views = self._build_gather_views()
-            if views[3] is not None and comm.gloo_p2p:
+            if views[3] is not None and route == "rows":
                 self.pending = comm.all_gather_p2p(
                     flat,
                     views[3],

@@ -7,8 +7,10 @@ torch release, this module is the one to adapt.
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
@@ -56,3 +58,22 @@ def swap_storage_memory(a: torch.UntypedStorage, b: torch.UntypedStorage) -> Non
     does. PyTorch has no public call to move memory between storages.
     """
     a._swap_data_ptr_(b)  # type: ignore[attr-defined]
+
+
+def group_timeout(group) -> timedelta:
+    """The timeout ``group``'s CPU backend was created with (``init_process_group(timeout=)``
+    or ``new_group(timeout=)``), or torch's default where it cannot be read.
+
+    The shared-memory collectives (``_shm.py``) wait on their peers themselves and give up
+    after the same time gloo would. A process group's timeout is only readable through its
+    backend's options, which are not public.
+    """
+    try:
+        if group is None:
+            group = dist.group.WORLD
+        timeout = group._get_backend(torch.device("cpu")).options._timeout  # type: ignore[attr-defined]
+        if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
+            return timeout
+    except (AttributeError, RuntimeError):
+        pass
+    return dist.default_pg_timeout

@@ -131,8 +131,7 @@ def test_gloo_all_reduce_stand_ins_are_bit_exact(run_ranks, world):
         assert all(out.values()), out
 
 
-def train_with_gloo_collectives(all_reduce: bool, subgroup: bool = False):
-    import torch.distributed as dist
+def train_with_gloo_collectives(all_reduce: bool, subgroup: bool = False, shm: bool = False):
     from torch.distributed.tensor import Shard
 
     from hyperfsdp_core import MixedPrecisionPolicy
@@ -140,6 +139,7 @@ def train_with_gloo_collectives(all_reduce: bool, subgroup: bool = False):
 
     saved, coll.GLOO_ALL_REDUCE = coll.GLOO_ALL_REDUCE, all_reduce
     saved_min, coll.GLOO_ALL_GATHER_MIN_BYTES = coll.GLOO_ALL_GATHER_MIN_BYTES, 0  # every size
+    saved_shm, coll.SHM = coll.SHM, shm
     try:
         torch.manual_seed(0)
         model = Transformer(vocab=33, dim=12, n_layers=3, hidden=18)  # uneven shards
@@ -182,30 +182,34 @@ def train_with_gloo_collectives(all_reduce: bool, subgroup: bool = False):
             "layers.2.mlp.w1.weight",
             "layers.2.mlp.w3.weight",
         ], dim1
-        return losses, params, kinds, comm.uses_all_reduce(None), dist.get_world_size()
+        used_shm = any(t is not None for t in comm._shm.values())
+        return losses, params, kinds, (comm.uses_all_reduce(None), used_shm)
     finally:
         coll.GLOO_ALL_REDUCE = saved
         coll.GLOO_ALL_GATHER_MIN_BYTES = saved_min
+        coll.SHM = saved_shm
 
 
-def gloo_all_reduce_training_is_exact(subgroup=False):
-    a = train_with_gloo_collectives(True, subgroup)
+def gloo_all_reduce_training_is_exact(subgroup=False, shm=False):
+    a = train_with_gloo_collectives(True, subgroup, shm)
     b = train_with_gloo_collectives(False, subgroup)
     same_params = all(torch.equal(_bits_of(x), _bits_of(y)) for x, y in zip(a[1], b[1]))
     return a[0] == b[0], same_params, a[2] == b[2], a[3], b[3]
 
 
+@pytest.mark.parametrize("shm", [False, True], ids=["gloo", "shm"])
 @pytest.mark.parametrize("world, subgroup", [(2, False), (4, False), (4, True)])
-def test_training_with_gloo_all_reduce_equals_native_bit_for_bit(run_ranks, world, subgroup):
-    # blocks 0 and 1 gather point-to-point (all members on dim 0; block 1 in bf16), block
-    # 2 by an all-reduce (dim-1 members); subgroup: FSDP over pairs of ranks
+def test_training_with_gloo_all_reduce_equals_native_bit_for_bit(run_ranks, world, subgroup, shm):
+    # blocks 0 and 1 gather row by row (all members on dim 0; block 1 in bf16): point to
+    # point, or through shared memory; block 2 (dim-1 members) by an all-reduce, or into
+    # a staging buffer through shared memory; subgroup: FSDP over pairs of ranks
     for losses, params, counts, on, off in run_ranks(
-        world, gloo_all_reduce_training_is_exact, subgroup
+        world, gloo_all_reduce_training_is_exact, subgroup, shm
     ):
-        assert (losses, params, counts, on, off) == (True, True, True, True, False)
+        assert (losses, params, counts, on, off) == (True, True, True, (True, shm), (False, False))
 
 
-def all_gather_algorithm_by_size():
+def all_gather_algorithm_by_size(shm: bool):
     import torch.distributed as dist
     from torch.distributed.tensor import Shard
 
@@ -215,17 +219,26 @@ def all_gather_algorithm_by_size():
 
     def spy(name, fn):
         def call(*args, **kwargs):
-            views = args[0] if name == "p2p" else [args[0]]  # each member's rows / the output
+            rows = name in ("p2p", "rows shm")
+            views = args[0] if rows else [args[0]]  # each member's rows / the output
             calls.append((name, sum(v.numel() for v in views) * 4))
             return fn(*args, **kwargs)
 
         return call
 
-    names = ("_all_gather", "_all_gather_by_all_reduce", "_all_gather_p2p")
-    saved = [getattr(coll, n) for n in names] + [coll.GLOO_ALL_GATHER_MIN_BYTES]
-    for n, label, fn in zip(names, ("native", "all_reduce", "p2p"), saved):
+    names = (
+        "_all_gather",
+        "_all_gather_by_all_reduce",
+        "_all_gather_p2p",
+        "_all_gather_shm",
+        "_all_gather_rows_shm",
+    )
+    labels = ("native", "all_reduce", "p2p", "shm", "rows shm")
+    saved = [getattr(coll, n) for n in names] + [coll.GLOO_ALL_GATHER_MIN_BYTES, coll.SHM]
+    for n, label, fn in zip(names, labels, saved):
         setattr(coll, n, spy(label, fn))
     coll.GLOO_ALL_GATHER_MIN_BYTES = 4096  # between the small unit's size and the others'
+    coll.SHM = shm
     try:
         torch.manual_seed(0)
         # 2304 bytes unsharded; 16640 with every member on dim 0; 16640 with a dim-1 member
@@ -240,12 +253,18 @@ def all_gather_algorithm_by_size():
     finally:
         for n, fn in zip(names, saved):
             setattr(coll, n, fn)
-        coll.GLOO_ALL_GATHER_MIN_BYTES = saved[-1]
+        coll.GLOO_ALL_GATHER_MIN_BYTES, coll.SHM = saved[-2:]
 
 
 def test_gloo_all_gather_algorithm_by_size_and_layout(run_ranks):
-    for calls in run_ranks(2, all_gather_algorithm_by_size):
+    # without shared memory: gloo's own under the threshold, point to point (dim 0) or an
+    # all-reduce (a dim-1 member) from it
+    for calls in run_ranks(2, all_gather_algorithm_by_size, False):
         assert calls == [("all_reduce", 16640), ("native", 2304), ("p2p", 16640)], calls
+    # with it: every size through shared memory, row by row (dim 0) or into the staging
+    # buffer (a dim-1 member)
+    for calls in run_ranks(2, all_gather_algorithm_by_size, True):
+        assert calls == [("rows shm", 2304), ("rows shm", 16640), ("shm", 16640)], calls
 
 
 # -- CPU: resharded unsharded buffers park their memory for the next unshard ---------------------

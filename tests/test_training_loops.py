@@ -485,7 +485,7 @@ class _Logged:
 
     def wait(self, *args):
         self._log.append(("wait", self._entry))
-        return self._work.wait(*args)
+        return self._work.wait(*args) if self._work is not None else True
 
 
 def hsdp_order():
@@ -498,10 +498,11 @@ def hsdp_order():
     fully_shard(model, mesh=mesh)
     opts = optimizers(model, ref)
     log = []
-    # on gloo the core's reduce-scatter is an in-place all-reduce (_reduce_scatter_in_place),
-    # or point-to-point over two ranks (_reduce_scatter_pair: the shard groups here)
+    # on gloo the core's reduce-scatter over two ranks (the shard groups here) runs through
+    # shared memory (_reduce_scatter_pair_shm, done when issued) or point to point
+    # (_reduce_scatter_pair); over more, it is an in-place all-reduce (_reduce_scatter_in_place)
     orig_rs, orig_rs_ar = coll._reduce_scatter, coll._reduce_scatter_in_place
-    orig_rs_pair = coll._reduce_scatter_pair
+    orig_rs_pair, orig_rs_shm = coll._reduce_scatter_pair, coll._reduce_scatter_pair_shm
     orig_ar = coll._all_reduce
 
     def logged_reduce_scatter(orig):
@@ -519,6 +520,7 @@ def hsdp_order():
     coll._reduce_scatter = logged_reduce_scatter(orig_rs)
     coll._reduce_scatter_in_place = logged_reduce_scatter(orig_rs_ar)
     coll._reduce_scatter_pair = logged_reduce_scatter(orig_rs_pair)
+    coll._reduce_scatter_pair_shm = logged_reduce_scatter(orig_rs_shm)
     coll._all_reduce = all_reduce
     try:
         for i in range(2):
@@ -529,7 +531,7 @@ def hsdp_order():
             step(opts)
     finally:
         coll._reduce_scatter, coll._reduce_scatter_in_place = orig_rs, orig_rs_ar
-        coll._reduce_scatter_pair = orig_rs_pair
+        coll._reduce_scatter_pair, coll._reduce_scatter_pair_shm = orig_rs_pair, orig_rs_shm
         coll._all_reduce = orig_ar
     assert_close_params(model, ref, atol=ATOL, rtol=RTOL)
     return log

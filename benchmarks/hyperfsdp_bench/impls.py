@@ -20,7 +20,10 @@ from .names import IMPLS, OFFLOAD_VARIANTS, VARIANTS
 #: - ``<impl>-foreach``: ``torch.optim.AdamW(..., foreach=True)`` instead of the default
 #:   (on CPU: the per-tensor loop), to measure what the multi-tensor optimizer buys;
 #: - ``hyperfsdp-native``: hyperfsdp with gloo's own all-gather and reduce-scatter
-#:   (``HYPERFSDP_GLOO_NATIVE_COLLECTIVES=1``) instead of its in-place all-reduces.
+#:   (``HYPERFSDP_GLOO_NATIVE_COLLECTIVES=1``) instead of its shared-memory collectives and
+#:   gloo stand-ins;
+#: - ``hyperfsdp-gloo``: hyperfsdp without the shared-memory collectives
+#:   (``HYPERFSDP_SHM=0``): gloo point-to-point and in-place all-reduces.
 #:
 #: The ``offload`` configuration adds its own: ``hyperfsdp-no-offload`` and
 #: ``fsdp2-no-offload`` (the same without offload) and ``fsdp2-unpinned`` (FSDP2's
@@ -31,7 +34,7 @@ ALL_IMPLS = IMPLS + VARIANTS + OFFLOAD_VARIANTS
 #: Main implementations that run under torch.distributed (the floor runs one independent
 #: process per rank).
 _DISTRIBUTED_BASES = frozenset({"hyperfsdp", "fsdp2", "ddp"})
-_SUFFIXES = ("-tuned", "-native", "-foreach", "-no-offload", "-unpinned")
+_SUFFIXES = ("-tuned", "-native", "-gloo", "-foreach", "-no-offload", "-unpinned")
 
 
 def parse_impl(impl: str) -> tuple[str, str]:
@@ -142,6 +145,8 @@ def build(impl: str, spec: CaseSpec) -> Built:
 
         if variant == "native":  # read when the root's communication state is created
             _collectives.GLOO_ALL_REDUCE = False
+        elif variant == "gloo":
+            _collectives.SHM = False
 
         policy = CPUOffloadPolicy() if offload else None
         n_units = _shard(model, fully_shard, MixedPrecisionPolicy, spec, policy)

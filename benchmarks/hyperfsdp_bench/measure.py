@@ -96,12 +96,16 @@ class CollectiveCounter:
                     setattr(mod, attr, entry[1])
                     self.aliases.append(f"{mod_name}.{attr}")
         # hyperfsdp's point-to-point all-gather (gloo, dim-0 buckets): one all-gather of the
-        # unsharded bytes, made of sends and receives the wrappers above do not see;
-        # and its pair reduce-scatter (one reduce-scatter of the full input)
+        # unsharded bytes, made of sends and receives the wrappers above do not see; its
+        # pair reduce-scatter (one reduce-scatter of the full input); and the same through
+        # shared memory, which calls no torch.distributed function at all
         coll = sys.modules.get("hyperfsdp_core._collectives")
         for attr, name, kind, index in (
             ("_all_gather_p2p", "all_gather_p2p", "list", 0),
             ("_reduce_scatter_pair", "reduce_scatter_pair", "tensor", 1),
+            ("_all_gather_rows_shm", "all_gather_rows_shm", "list", 0),
+            ("_all_gather_shm", "all_gather_shm", "tensor", 0),
+            ("_reduce_scatter_pair_shm", "reduce_scatter_pair_shm", "tensor", 1),
         ):
             fn = getattr(coll, attr, None)
             if fn is not None and not getattr(fn, "_hyperfsdp_bench_wrapped", False):

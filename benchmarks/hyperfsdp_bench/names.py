@@ -10,6 +10,7 @@ IMPLS = ("hyperfsdp", "fsdp2", "ddp", "floor")
 VARIANTS = (
     "hyperfsdp-tuned",
     "hyperfsdp-native",
+    "hyperfsdp-gloo",
     "hyperfsdp-foreach",
     "fsdp2-foreach",
     "ddp-foreach",

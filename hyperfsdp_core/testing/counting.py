@@ -6,15 +6,19 @@ import torch.distributed as dist
 
 from .. import _collectives as _coll
 
-#: the core's call sites; on gloo its all-gathers and reduce-scatters are in-place all-reduces
-#: (``_collectives.GLOO_ALL_REDUCE``), counted as the all-gathers and reduce-scatters they are
+#: the core's call sites; on gloo its all-gathers and reduce-scatters run through shared
+#: memory, point to point or as in-place all-reduces (``_collectives.SHM``,
+#: ``GLOO_ALL_REDUCE``), counted as the all-gathers and reduce-scatters they are
 KINDS = {
     "_all_gather": "ag",
     "_all_gather_by_all_reduce": "ag",
     "_all_gather_p2p": "ag",
+    "_all_gather_shm": "ag",
+    "_all_gather_rows_shm": "ag",
     "_reduce_scatter": "rs",
     "_reduce_scatter_in_place": "rs",
     "_reduce_scatter_pair": "rs",
+    "_reduce_scatter_pair_shm": "rs",
     "_all_reduce": "ar",
 }
 

@@ -1,0 +1,350 @@
+"""All-gathers and pair reduce-scatters through shared memory, for the ranks of one host.
+
+gloo moves every byte through a loopback TCP socket: a copy into the kernel, a copy out,
+and a worker-thread handoff per message, which on CPU ranks costs more than the compute
+it overlaps (docs/performance.md). Ranks on one host can instead copy straight out of
+each other's memory. Each member of a group maps a small segment of every member
+(``/dev/shm``): a header of counters and :data:`SLOTS` slots of :data:`CHUNK_BYTES`. A
+collective streams each rank's payload through its own slots, a chunk at a time, and
+every peer copies (or adds) it into place: one copy in, one copy out, no kernel call.
+
+Every member runs every collective of the group in the same order (as with any
+collective), synchronously, in lockstep:
+
+- a rank writes its chunk ``c`` into slot ``c % SLOTS`` once every peer has consumed its
+  chunk ``c - SLOTS`` from that slot, then publishes ``c`` (its ``PUB`` counter);
+- a rank consumes peer ``p``'s chunk ``c`` once ``p`` has published it, then
+  acknowledges it (its ``ACK + p`` counter).
+
+Each counter has one writer, so no atomic read-modify-write is needed; stores of the
+data and then of the counter are seen in that order by the other processes on x86-64
+(total store order), which is why the transport is used there only. Every chunk carries
+a tag of the collective (its sequence number, kind and size): a member that runs a
+different collective fails with an error naming both instead of reading wrong data.
+Waits time out with the group's timeout, and fail at once when a peer process exits.
+
+The collectives are exact: all-gathers copy bytes, and a reduce-scatter over two ranks
+is one addition per element (which commutes bit for bit, as gloo's own sum over two).
+A group uses the transport only when every member could create and map every member's
+segment, which the members decide together when the group is first used
+(:meth:`ShmGroup.create`); otherwise the core keeps gloo.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import platform
+import secrets
+import sys
+import time
+import uuid
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+#: bytes per slot: a collective moves its payload in chunks of this size (figures:
+#: docs/performance.md; 256 KiB to 4 MiB measured the same)
+CHUNK_BYTES = 1 << 20
+#: slots per member: a rank writes its next chunk while its peers read the previous one
+SLOTS = 2
+#: where the segments live (a tmpfs on Linux)
+SHM_DIR = "/dev/shm"
+
+# header layout, in int64 words: published chunks, the tag of each slot's chunk, this
+# rank's acknowledgement of each member's chunks, and the token peers check when mapping
+_PUB = 0
+_TAG = 8  # _TAG + slot
+_TOKEN = 16
+_ACK = 64  # _ACK + member
+
+#: seconds of waiting between checks that the peers' processes are still alive
+_LIVENESS_EVERY = 1.0
+
+
+class ShmCollectiveError(RuntimeError):
+    """A shared-memory collective failed: a peer ran another collective, exited, or timed
+    out. The group's transport cannot be used after this."""
+
+
+def supported() -> bool:
+    """Whether this process can use the transport at all (Linux, x86-64, /dev/shm)."""
+    return (
+        sys.platform.startswith("linux")
+        and platform.machine() in ("x86_64", "AMD64")
+        and os.path.isdir(SHM_DIR)
+        and os.access(SHM_DIR, os.W_OK)
+    )
+
+
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+class _Segment:
+    """One member's mapped segment: its header (int64 words) and its slots (bytes)."""
+
+    __slots__ = ("header", "mm", "slots")
+
+    def __init__(self, mm: mmap.mmap, header_bytes: int) -> None:
+        self.mm = mm
+        self.header = memoryview(mm)[:header_bytes].cast("q")
+        # made at a group's first collective, which may run under inference_mode: the
+        # slots must be normal tensors, written in place outside it too
+        with torch.inference_mode(False):
+            data = torch.frombuffer(mm, dtype=torch.uint8, offset=header_bytes)
+            self.slots = [data[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES] for i in range(SLOTS)]
+
+
+def _header_bytes(world: int) -> int:
+    return max(4096, math.ceil(8 * (_ACK + world) / 4096) * 4096)
+
+
+def _map(path: str, size: int) -> mmap.mmap:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+class ShmGroup:
+    """The shared-memory transport of one process group (see the module docstring)."""
+
+    def __init__(self, group, rank: int, world: int, segments, pids, timeout: float) -> None:
+        self.group = group
+        self.rank = rank
+        self.world = world
+        self.peers = [p for p in range(world) if p != rank]
+        self._segments = segments
+        self._headers = [s.header for s in segments]
+        self._slots = [s.slots for s in segments]
+        self._typed: dict[torch.dtype, list[list[torch.Tensor]]] = {}
+        self._pids = pids  # peers' process ids, or None when they cannot be checked
+        self.timeout = timeout
+        self.chunks = 0  # chunks each member has published so far (equal on all)
+        self.ops = 0  # collectives run so far (equal on all)
+        self.failed: str | None = None
+        self._plans: dict[int, tuple[object, list]] = {}
+
+    # -- setup -----------------------------------------------------------------------------
+    @classmethod
+    def create(cls, group, rank: int, world: int, timeout: timedelta) -> ShmGroup | None:
+        """The transport for ``group``, or None where some member cannot use it.
+
+        Collective over ``group``: every member calls it at the same point (two
+        ``all_gather_object``). Each member creates its segment and maps every member's;
+        the segment files are unlinked as soon as all are mapped, so nothing is left in
+        ``/dev/shm`` whatever happens to the processes.
+        """
+        header_bytes = _header_bytes(world)
+        size = header_bytes + SLOTS * CHUNK_BYTES
+        token = secrets.randbits(62)
+        path = mm = None
+        if supported():
+            path = os.path.join(SHM_DIR, f"hyperfsdp-{uuid.uuid4().hex}-{rank}")
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                try:
+                    os.ftruncate(fd, size)
+                    mm = mmap.mmap(fd, size)
+                finally:
+                    os.close(fd)
+                memoryview(mm)[:header_bytes].cast("q")[_TOKEN] = token
+            except OSError:
+                mm = None
+        mine = (path if mm is not None else None, token, os.getpid(), _pid_namespace())
+        infos: list = [None] * world
+        dist.all_gather_object(infos, mine, group=group)
+        segments = None
+        if all(info[0] is not None for info in infos):
+            segments = []
+            try:
+                for member, (peer_path, peer_token, _, _) in enumerate(infos):
+                    peer_mm = mm if member == rank else _map(peer_path, size)
+                    seg = _Segment(peer_mm, header_bytes)
+                    if seg.header[_TOKEN] != peer_token:  # another host's file of that name
+                        raise OSError("token mismatch")
+                    segments.append(seg)
+            except (OSError, ValueError):
+                segments = None
+        oks: list = [None] * world
+        dist.all_gather_object(oks, segments is not None, group=group)
+        if path is not None and mm is not None:
+            os.unlink(path)
+        if not all(oks):
+            return None
+        namespaces = {info[3] for info in infos}
+        pids = None
+        if len(namespaces) == 1 and None not in namespaces:
+            pids = {member: info[2] for member, info in enumerate(infos) if member != rank}
+        return cls(group, rank, world, segments, pids, timeout.total_seconds())
+
+    # -- the protocol ----------------------------------------------------------------------
+    def _fail(self, message: str) -> None:
+        self.failed = message
+        raise ShmCollectiveError(message)
+
+    def _await(self, member: int, word: int, target: int) -> None:
+        """Wait until ``member``'s header word ``word`` reaches ``target``."""
+        header = self._headers[member]
+        if header[word] >= target:
+            return
+        for _ in range(64):
+            os.sched_yield()
+            if header[word] >= target:
+                return
+        start = time.monotonic()
+        check = start + _LIVENESS_EVERY
+        pause = 2e-5
+        while header[word] < target:
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+            now = time.monotonic()
+            if now >= check:
+                check = now + _LIVENESS_EVERY
+                if now - start > self.timeout:
+                    self._fail(
+                        f"shared-memory collective #{self.ops} timed out after "
+                        f"{self.timeout:g} s waiting for group rank {member}"
+                    )
+                pid = self._pids.get(member) if self._pids else None
+                if pid is not None:
+                    try:
+                        os.kill(pid, 0)
+                    except ProcessLookupError:
+                        self._fail(
+                            f"group rank {member} (pid {pid}) exited during "
+                            f"shared-memory collective #{self.ops}"
+                        )
+                    except PermissionError:
+                        pass
+
+    def _run(self, kind: int, nbytes: int, n_chunks: int, put, take) -> None:
+        """One collective: ``put(i, slot)`` writes this rank's chunk ``i`` into its slot
+        number ``slot``; ``take(member, i, slot)`` consumes ``member``'s from its slot."""
+        if self.failed is not None:
+            raise ShmCollectiveError(
+                f"this group's shared-memory transport failed earlier ({self.failed}); "
+                "re-create the process group, or set HYPERFSDP_SHM=0 to use gloo"
+            )
+        tag = hash((self.ops, kind, nbytes)) & ((1 << 62) - 1)
+        self.ops += 1
+        me, peers = self.rank, self.peers
+        mine = self._headers[me]
+        base = self.chunks
+        written = read = 0
+        while read < n_chunks:
+            while written < n_chunks and written - read < SLOTS:
+                c = base + written
+                if c >= SLOTS:
+                    for p in peers:  # every peer is done with this slot's last chunk
+                        self._await(p, _ACK + me, c - SLOTS + 1)
+                slot = c % SLOTS
+                put(written, slot)
+                mine[_TAG + slot] = tag
+                mine[_PUB] = c + 1
+                written += 1
+            c = base + read
+            slot = c % SLOTS
+            for p in peers:
+                self._await(p, _PUB, c + 1)
+                if self._headers[p][_TAG + slot] != tag:
+                    self._fail(
+                        f"group rank {p} ran another collective than this rank's "
+                        f"#{self.ops - 1} (kind {kind}, {nbytes} bytes): every member must "
+                        "run the same collectives in the same order"
+                    )
+                take(p, read, slot)
+                mine[_ACK + p] = c + 1
+            read += 1
+        self.chunks = base + n_chunks
+
+    # -- collectives -----------------------------------------------------------------------
+    def all_gather_rows(self, rows: list[torch.Tensor]) -> None:
+        """All-gather into ``(world, n)`` views: this rank has written its row of each;
+        every peer's rows arrive into place. ``rows`` is a bucket's cached list: its
+        chunk plan is built once."""
+        entry = self._plans.get(id(rows))
+        if entry is None or entry[0] is not rows:
+            with torch.inference_mode(False):  # kept: normal tensors, as the slots
+                entry = self._plans[id(rows)] = (rows, self._plan(rows))
+        self._gather(*entry[1])
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """All-gather ``inp`` (this rank's part) into ``out`` (rank-major, contiguous)."""
+        rows = out.view(self.world, -1)
+        if inp.data_ptr() != rows[self.rank].data_ptr():
+            rows[self.rank].copy_(inp.view(-1))
+        self._gather(*self._plan([rows]))
+
+    @staticmethod
+    def _plan(rows: list[torch.Tensor]) -> tuple[list[torch.Tensor], list]:
+        """The rows as bytes, and their concatenation cut into chunks: per chunk, its
+        pieces ``(row index, start, stop, offset in the slot)``."""
+        rows8 = [r.view(torch.uint8) for r in rows]
+        plan: list = []
+        pieces: list = []
+        fill = 0
+        for index, r in enumerate(rows8):
+            n, start = r.shape[1], 0
+            while start < n:
+                take = min(n - start, CHUNK_BYTES - fill)
+                pieces.append((index, start, start + take, fill))
+                start += take
+                fill += take
+                if fill == CHUNK_BYTES:
+                    plan.append(pieces)
+                    pieces, fill = [], 0
+        if pieces:
+            plan.append(pieces)
+        return rows8, plan
+
+    def _gather(self, rows8: list[torch.Tensor], plan: list) -> None:
+        me, slots = self.rank, self._slots
+
+        def put(i, slot):
+            dst = slots[me][slot]
+            for index, start, stop, at in plan[i]:
+                dst[at : at + stop - start].copy_(rows8[index][me, start:stop])
+
+        def take(member, i, slot):
+            src = slots[member][slot]
+            for index, start, stop, at in plan[i]:
+                rows8[index][member, start:stop].copy_(src[at : at + stop - start])
+
+        nbytes = sum(r.shape[1] for r in rows8)
+        self._run(1, nbytes, len(plan), put, take)
+
+    def reduce_scatter_pair(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """Sum-reduce-scatter over two ranks: ``out`` = this rank's half of ``inp`` plus
+        the peer's half for this rank, one addition per element."""
+        me = self.rank
+        halves = inp.view(2, -1)
+        own, theirs = halves[me], halves[1 - me]
+        typed = self._typed_slots(inp.dtype)
+        per = CHUNK_BYTES // inp.element_size()
+        n = own.numel()
+
+        def put(i, slot):
+            lo, hi = i * per, min(n, (i + 1) * per)
+            typed[me][slot][: hi - lo].copy_(theirs[lo:hi])
+
+        def take(member, i, slot):
+            lo, hi = i * per, min(n, (i + 1) * per)
+            torch.add(own[lo:hi], typed[member][slot][: hi - lo], out=out[lo:hi])
+
+        self._run(2, n * inp.element_size(), -(-n // per), put, take)
+
+    def _typed_slots(self, dtype: torch.dtype) -> list[list[torch.Tensor]]:
+        typed = self._typed.get(dtype)
+        if typed is None:
+            with torch.inference_mode(False):
+                typed = [[s.view(dtype) for s in slots] for slots in self._slots]
+            self._typed[dtype] = typed
+        return typed

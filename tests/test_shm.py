@@ -1,0 +1,192 @@
+"""The shared-memory collectives (``_shm.py``): bit for bit equal to gloo's own, and clear
+failures instead of wrong data or hangs."""
+
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+from hyperfsdp_core import _shm
+
+pytestmark = pytest.mark.skipif(not _shm.supported(), reason="needs Linux, x86-64 and /dev/shm")
+
+
+def _world_transport(timeout: float = 60.0):
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    transport = _shm.ShmGroup.create(None, rank, world, timedelta(seconds=timeout))
+    assert transport is not None
+    return transport, rank, world
+
+
+def _bits(t):
+    return t.view(torch.uint8)
+
+
+def _with_specials(t):
+    specials = torch.tensor([-0.0, float("inf"), float("-inf"), 1e-40]).to(t.dtype)
+    t[: len(specials)] = specials
+    t.view(torch.uint8)[-2:] = torch.tensor([0xC1, 0x7F], dtype=torch.uint8)  # a NaN payload
+    return t
+
+
+def shm_matches_gloo():
+    import torch.distributed as dist
+
+    transport, rank, world = _world_transport()
+    out = {}
+    chunk = _shm.CHUNK_BYTES
+    # one element, under a chunk, exactly two chunks, and three chunks and a bit
+    for dtype in (torch.float32, torch.bfloat16):
+        size = torch.tensor([], dtype=dtype).element_size()
+        for shard in (1, 1001, 2 * chunk // size, 3 * chunk // size + 7):
+            torch.manual_seed(rank * 7 + shard)
+            inp = _with_specials(torch.randn(shard).to(dtype)) if shard > 4 else torch.randn(shard)
+            inp = inp.to(dtype)
+            native = torch.empty(world * shard, dtype=dtype)
+            dist.all_gather_into_tensor(native, inp)
+            mine = torch.full((world * shard,), 7.0, dtype=dtype)
+            transport.all_gather(mine, inp)
+            out[f"ag {dtype} {shard}"] = torch.equal(_bits(mine), _bits(native))
+            # in place: the input already is this rank's part of the output
+            mine = torch.full((world * shard,), 7.0, dtype=dtype)
+            mine.view(world, shard)[rank] = inp
+            transport.all_gather(mine, mine.view(world, shard)[rank])
+            out[f"ag in place {dtype} {shard}"] = torch.equal(_bits(mine), _bits(native))
+            # row by row: three members split after 3 elements, one of them empty
+            if shard > 4:
+                flat = torch.full((world * shard,), 7.0, dtype=dtype)
+                rows = [
+                    flat[: world * 3].view(world, 3),
+                    flat[world * 3 : world * 3].view(world, 0),
+                    flat[world * 3 :].view(world, shard - 3),
+                ]
+                rows[0][rank], rows[2][rank] = inp[:3], inp[3:]
+                for _ in range(2):  # the second time from the cached plan
+                    transport.all_gather_rows(rows)
+                grid = native.view(world, shard)
+                expect = torch.cat([grid[:, :3].flatten(), grid[:, 3:].flatten()])
+                out[f"ag rows {dtype} {shard}"] = torch.equal(_bits(flat), _bits(expect))
+            if world == 2:  # the pair reduce-scatter: one addition, as gloo's
+                torch.manual_seed(100 + rank + shard)
+                pack = torch.randn(2 * shard).to(dtype)
+                pack[:1] = -0.0 if rank else 0.0
+                native_rs = torch.empty(shard, dtype=dtype)
+                dist.reduce_scatter_tensor(native_rs, pack.clone())
+                mine_rs = torch.full((shard,), 7.0, dtype=dtype)
+                transport.reduce_scatter_pair(mine_rs, pack)
+                out[f"rs {dtype} {shard}"] = torch.equal(_bits(mine_rs), _bits(native_rs))
+    out["chunks equal on every rank"] = transport.chunks
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_shm_collectives_equal_gloo_bit_for_bit(run_ranks, world):
+    results = run_ranks(world, shm_matches_gloo)
+    chunks = {r.pop("chunks equal on every rank") for r in results}
+    assert len(chunks) == 1 and chunks.pop() > 10  # several ops of several chunks each
+    for out in results:
+        assert out and all(out.values()), out
+
+
+def mismatched_collectives():
+    transport, rank, _ = _world_transport()
+    errors = []
+    n = 100 if rank == 0 else 200  # rank 1 gathers another size
+    try:
+        transport.all_gather(torch.empty(2 * n), torch.ones(n))
+    except _shm.ShmCollectiveError as exc:
+        errors.append(str(exc))
+    try:  # the transport is unusable from now on
+        transport.all_gather(torch.empty(2), torch.ones(1))
+    except _shm.ShmCollectiveError as exc:
+        errors.append(str(exc))
+    return errors
+
+
+def test_mismatched_collective_fails_with_a_clear_error(run_ranks):
+    for errors in run_ranks(2, mismatched_collectives):
+        assert len(errors) == 2, errors
+        assert "ran another collective" in errors[0] and "same order" in errors[0]
+        assert "failed earlier" in errors[1] and "HYPERFSDP_SHM=0" in errors[1]
+
+
+def absent_peer(dead_peer: bool):
+    import torch.distributed as dist
+
+    transport, rank, _ = _world_transport(timeout=60.0 if dead_peer else 1.5)
+    result = None
+    if rank == 0:
+        if dead_peer:  # rank 1's process "exits": point its pid at one that has
+            done = subprocess.Popen([sys.executable, "-c", "pass"])
+            done.wait()
+            transport._pids = {1: done.pid}
+        start = time.monotonic()
+        try:
+            transport.all_gather(torch.empty(8), torch.ones(4))
+        except _shm.ShmCollectiveError as exc:
+            result = (str(exc), time.monotonic() - start)
+    dist.barrier()  # rank 1 never joins the collective
+    return result
+
+
+@pytest.mark.parametrize("dead_peer", [False, True])
+def test_absent_peer_times_out_and_exited_peer_fails_fast(run_ranks, dead_peer):
+    message, waited = run_ranks(2, absent_peer, dead_peer)[0]
+    if dead_peer:
+        assert "group rank 1" in message and "exited" in message, message
+        assert waited < 10  # found by the liveness check, not the 60 s timeout
+    else:
+        assert "timed out after 1.5 s waiting for group rank 1" in message, message
+        assert 1.5 <= waited < 10
+
+
+def setup_leaves_no_files(refuse_on_rank: int | None):
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    created = []
+    real_open = os.open
+
+    def spy_open(path, flags, *args):
+        if flags & os.O_CREAT:
+            created.append(path)
+        return real_open(path, flags, *args)
+
+    saved = _shm.supported
+    if rank == refuse_on_rank:  # this member cannot map shared memory
+        _shm.supported = lambda: False
+    _shm.os.open = spy_open
+    try:
+        transport = _shm.ShmGroup.create(None, rank, world, timedelta(seconds=30))
+    finally:
+        _shm.os.open = real_open
+        _shm.supported = saved
+    return transport is not None, [p for p in created if os.path.exists(p)], len(created)
+
+
+@pytest.mark.parametrize("refuse_on_rank", [None, 1])
+def test_members_agree_and_no_segment_file_outlives_setup(run_ranks, refuse_on_rank):
+    results = run_ranks(2, setup_leaves_no_files, refuse_on_rank)
+    # every member decides the same: all use shared memory, or none (gloo stays)
+    assert {used for used, _, _ in results} == {refuse_on_rank is None}
+    for rank, (_, left, made) in enumerate(results):
+        assert left == []
+        assert made == (0 if rank == refuse_on_rank else 1)
+
+
+def reads_group_timeout():
+    from hyperfsdp_core._torch_private import group_timeout
+
+    return group_timeout(None).total_seconds()
+
+
+def test_transport_waits_as_long_as_the_process_group(run_ranks):
+    from hyperfsdp_core.testing.pool import DEFAULT_TIMEOUT
+
+    assert run_ranks(2, reads_group_timeout) == [DEFAULT_TIMEOUT] * 2
