@@ -154,7 +154,7 @@ def _all_gather_rows_shm(rows: list[torch.Tensor], group, transport) -> None:
     transport.all_gather_rows(rows)
 
 
-def _reduce_scatter_pair_shm(output: torch.Tensor, input: torch.Tensor, op, group, transport):
+def _reduce_scatter_shm(output: torch.Tensor, input: torch.Tensor, op, group, transport):
     """``_reduce_scatter_pair`` through shared memory (``op`` must be ``SUM``)."""
     transport.reduce_scatter_pair(output, input)
 
@@ -534,7 +534,7 @@ class Comm:
             and self._place(group)[1] == 2
             and (shm := self.shm(group)) is not None
         ):
-            call = lambda: _reduce_scatter_pair_shm(out, inp, op=op, group=group, transport=shm)  # noqa: E731
+            call = lambda: _reduce_scatter_shm(out, inp, op=op, group=group, transport=shm)  # noqa: E731
         elif scratch_input and inp.is_contiguous() and self.uses_all_reduce(group):
             rank, world = self._place(group)
             if self.gloo_p2p and op == dist.ReduceOp.SUM and world == 2:

@@ -227,7 +227,7 @@ class ShmGroup:
 
     def _run(self, kind: int, nbytes: int, n_chunks: int, put, take) -> None:
         """One collective: ``put(i, slot)`` writes this rank's chunk ``i`` into its slot
-        number ``slot``; ``take(member, i, slot)`` consumes ``member``'s from its slot."""
+        number ``slot``; ``take(member, i, slot)`` consumes every peer's, in turn."""
         if self.failed is not None:
             raise ShmCollectiveError(
                 f"this group's shared-memory transport failed earlier ({self.failed}); "
@@ -323,7 +323,9 @@ class ShmGroup:
 
     def reduce_scatter_pair(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """Sum-reduce-scatter over two ranks: ``out`` = this rank's half of ``inp`` plus
-        the peer's half for this rank, one addition per element."""
+        the peer's half for this rank, one addition per element (which commutes, so the
+        result is gloo's bit for bit). Over more ranks gloo's order of additions depends
+        on how its ring cuts the buffer, so the core keeps gloo there."""
         me = self.rank
         halves = inp.view(2, -1)
         own, theirs = halves[me], halves[1 - me]
@@ -337,7 +339,7 @@ class ShmGroup:
 
         def take(member, i, slot):
             lo, hi = i * per, min(n, (i + 1) * per)
-            torch.add(own[lo:hi], typed[member][slot][: hi - lo], out=out[lo:hi])
+            torch.add(typed[member][slot][: hi - lo], own[lo:hi], out=out[lo:hi])
 
         self._run(2, n * inp.element_size(), -(-n // per), put, take)
 

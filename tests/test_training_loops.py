@@ -499,10 +499,10 @@ def hsdp_order():
     opts = optimizers(model, ref)
     log = []
     # on gloo the core's reduce-scatter over two ranks (the shard groups here) runs through
-    # shared memory (_reduce_scatter_pair_shm, done when issued) or point to point
+    # shared memory (_reduce_scatter_shm, done when issued) or point to point
     # (_reduce_scatter_pair); over more, it is an in-place all-reduce (_reduce_scatter_in_place)
     orig_rs, orig_rs_ar = coll._reduce_scatter, coll._reduce_scatter_in_place
-    orig_rs_pair, orig_rs_shm = coll._reduce_scatter_pair, coll._reduce_scatter_pair_shm
+    orig_rs_pair, orig_rs_shm = coll._reduce_scatter_pair, coll._reduce_scatter_shm
     orig_ar = coll._all_reduce
 
     def logged_reduce_scatter(orig):
@@ -520,7 +520,7 @@ def hsdp_order():
     coll._reduce_scatter = logged_reduce_scatter(orig_rs)
     coll._reduce_scatter_in_place = logged_reduce_scatter(orig_rs_ar)
     coll._reduce_scatter_pair = logged_reduce_scatter(orig_rs_pair)
-    coll._reduce_scatter_pair_shm = logged_reduce_scatter(orig_rs_shm)
+    coll._reduce_scatter_shm = logged_reduce_scatter(orig_rs_shm)
     coll._all_reduce = all_reduce
     try:
         for i in range(2):
@@ -531,7 +531,7 @@ def hsdp_order():
             step(opts)
     finally:
         coll._reduce_scatter, coll._reduce_scatter_in_place = orig_rs, orig_rs_ar
-        coll._reduce_scatter_pair, coll._reduce_scatter_pair_shm = orig_rs_pair, orig_rs_shm
+        coll._reduce_scatter_pair, coll._reduce_scatter_shm = orig_rs_pair, orig_rs_shm
         coll._all_reduce = orig_ar
     assert_close_params(model, ref, atol=ATOL, rtol=RTOL)
     return log

@@ -105,7 +105,7 @@ class CollectiveCounter:
             ("_reduce_scatter_pair", "reduce_scatter_pair", "tensor", 1),
             ("_all_gather_rows_shm", "all_gather_rows_shm", "list", 0),
             ("_all_gather_shm", "all_gather_shm", "tensor", 0),
-            ("_reduce_scatter_pair_shm", "reduce_scatter_pair_shm", "tensor", 1),
+            ("_reduce_scatter_shm", "reduce_scatter_shm", "tensor", 1),
         ):
             fn = getattr(coll, attr, None)
             if fn is not None and not getattr(fn, "_hyperfsdp_bench_wrapped", False):

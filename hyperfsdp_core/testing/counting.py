@@ -18,7 +18,7 @@ KINDS = {
     "_reduce_scatter": "rs",
     "_reduce_scatter_in_place": "rs",
     "_reduce_scatter_pair": "rs",
-    "_reduce_scatter_pair_shm": "rs",
+    "_reduce_scatter_shm": "rs",
     "_all_reduce": "ar",
 }
 
