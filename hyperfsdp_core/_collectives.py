@@ -2,9 +2,11 @@
 
 The rest of the core calls :class:`Comm`: it issues one collective and returns a
 :class:`Handle` whose ``wait()`` makes the result usable by the caller's compute.
-On CPU the gloo worker threads communicate while the training thread computes;
-on accelerators collectives run on dedicated streams ordered by events (no
-``record_stream``: buffers stay referenced by their handle until waited).
+On CPU the ranks of one host all-gather and reduce-scatter through shared memory
+(``_shm.py``: done when issued), and otherwise the gloo worker threads communicate
+while the training thread computes; on accelerators collectives run on dedicated
+streams ordered by events (no ``record_stream``: buffers stay referenced by their
+handle until waited).
 """
 
 from __future__ import annotations
