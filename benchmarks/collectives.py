@@ -8,7 +8,9 @@ as an all-reduce of a zero-padded buffer; reduce-scatter as ``reduce_scatter_ten
 as ``reduce_scatter`` from a list, and as an all-reduce followed by taking this rank's
 slice (all-gather also as an integer all-reduce of the bit patterns, exact for every
 value, -0.0 included); and the core's own: the point-to-point all-gather and, at
-world 2, the pair reduce-scatter (a send, a receive and one addition). It also says whether each stand-in's result is bitwise equal to
+world 2, the pair reduce-scatter (a send, a receive and one addition); and the same two
+through shared memory (``_shm.py``: ``ag_shm``, ``rs_shm``), as the core runs them between
+the ranks of one host. It also says whether each stand-in's result is bitwise equal to
 the native one. Median milliseconds over ``--repeats`` runs, slowest rank; and the peak
 bytes malloc allocated inside each call beyond the caller's buffers (gloo's internal
 staging), sampled with ``mallinfo2`` over all threads.
@@ -43,7 +45,7 @@ def _time(fn, repeats: int) -> float:
     return float(mine) * 1e3
 
 
-def _variants(world, rank, shard, inp, out, views, zero_padded, grads, rs_out, work, p2p):
+def _variants(world, rank, shard, inp, out, views, zero_padded, grads, rs_out, work, p2p, shm):
     from hyperfsdp_core import _collectives as coll
 
     rows = [p2p.view(world, shard)]
@@ -68,8 +70,16 @@ def _variants(world, rank, shard, inp, out, views, zero_padded, grads, rs_out, w
         rows[0][rank].copy_(inp)
         coll._all_gather_p2p(rows, rank, group=None).wait()
 
+    def ag_shm():  # the core's shared-memory all-gather, row by row (one member)
+        rows[0][rank].copy_(inp)
+        shm.all_gather_rows(rows)
+
     def rs_tensor():
         dist.reduce_scatter_tensor(rs_out, grads)
+
+    def rs_shm():  # the core's shared-memory two-rank reduce-scatter
+        if world == 2:
+            shm.reduce_scatter_pair(rs_out, grads)
 
     def rs_pair():  # the core's two-rank reduce-scatter (a send, a receive, one addition)
         if world == 2:
@@ -90,10 +100,12 @@ def _variants(world, rank, shard, inp, out, views, zero_padded, grads, rs_out, w
         "ag_all_reduce": ag_all_reduce,
         "ag_all_reduce_int": ag_all_reduce_int,
         "ag_p2p": ag_p2p,
+        "ag_shm": ag_shm,
         "rs_tensor": rs_tensor,
         "rs_list": rs_list,
         "rs_all_reduce": rs_all_reduce,
         "rs_pair": rs_pair,
+        "rs_shm": rs_shm,
     }
 
 
@@ -110,7 +122,14 @@ def _extra_heap(fn) -> int:
 
 
 def rank_main(mib_list, repeats):
+    from datetime import timedelta
+
+    from hyperfsdp_core._shm import ShmGroup
+
     world, rank = dist.get_world_size(), dist.get_rank()
+    shm = ShmGroup.create(None, rank, world, timedelta(minutes=5))
+    if shm is None:
+        raise RuntimeError("these ranks cannot map each other's shared memory")
     results = []
     for mib in mib_list:
         full = int(mib * 2**20 / 4) // world * world
@@ -124,7 +143,9 @@ def rank_main(mib_list, repeats):
         rs_out = torch.empty(shard)
         work = grads.clone()
         p2p = torch.empty(full)
-        fns = _variants(world, rank, shard, inp, out, views, zero_padded, grads, rs_out, work, p2p)
+        fns = _variants(
+            world, rank, shard, inp, out, views, zero_padded, grads, rs_out, work, p2p, shm
+        )
         row = {"mib": mib}
         for name, fn in fns.items():
             row[name] = _time(fn, repeats)
@@ -139,6 +160,9 @@ def rank_main(mib_list, repeats):
         row["ag_all_reduce_int_exact"] = bool(torch.equal(zero_padded, reference))
         fns["ag_p2p"]()
         row["ag_p2p_exact"] = bool(torch.equal(p2p, reference))
+        p2p.zero_()
+        fns["ag_shm"]()
+        row["ag_shm_exact"] = bool(torch.equal(p2p, reference))
         fns["ag_list"]()
         row["ag_list_exact"] = bool(torch.equal(out, reference))
         fns["rs_tensor"]()
@@ -149,8 +173,11 @@ def rank_main(mib_list, repeats):
         if world == 2:
             fns["rs_pair"]()
             row["rs_pair_exact"] = bool(torch.equal(rs_out, reference))
+            rs_out.zero_()
+            fns["rs_shm"]()
+            row["rs_shm_exact"] = bool(torch.equal(rs_out, reference))
         else:
-            row["rs_pair"] = float("nan")  # two ranks only
+            row["rs_pair"] = row["rs_shm"] = float("nan")  # two ranks only
         fns["rs_list"]()
         row["rs_list_exact"] = bool(torch.equal(rs_out, reference))
         results.append(row)
@@ -163,10 +190,12 @@ COLS = (
     "ag_all_reduce",
     "ag_all_reduce_int",
     "ag_p2p",
+    "ag_shm",
     "rs_tensor",
     "rs_list",
     "rs_all_reduce",
     "rs_pair",
+    "rs_shm",
 )
 
 

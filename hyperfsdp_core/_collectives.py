@@ -157,8 +157,9 @@ def _all_gather_rows_shm(rows: list[torch.Tensor], group, transport) -> None:
 
 
 def _reduce_scatter_shm(output: torch.Tensor, input: torch.Tensor, op, group, transport):
-    """``_reduce_scatter_pair`` through shared memory (``op`` must be ``SUM``)."""
-    transport.reduce_scatter_pair(output, input)
+    """Sum-reduce-scatter through shared memory, in gloo's order of additions (``op``
+    must be ``SUM``; over more than two ranks only where ``transport.ring_order``)."""
+    transport.reduce_scatter(output, input)
 
 
 def _reduce_scatter_in_place(
@@ -533,8 +534,8 @@ class Comm:
             and op == dist.ReduceOp.SUM
             and inp.is_contiguous()
             and self.uses_all_reduce(group)
-            and self._place(group)[1] == 2
             and (shm := self.shm(group)) is not None
+            and shm.ring_order
         ):
             call = lambda: _reduce_scatter_shm(out, inp, op=op, group=group, transport=shm)  # noqa: E731
         elif scratch_input and inp.is_contiguous() and self.uses_all_reduce(group):

@@ -23,8 +23,10 @@ a tag of the collective (its sequence number, kind and size): a member that runs
 different collective fails with an error naming both instead of reading wrong data.
 Waits time out with the group's timeout, and fail at once when a peer process exits.
 
-The collectives are exact: all-gathers copy bytes, and a reduce-scatter over two ranks
-is one addition per element (which commutes bit for bit, as gloo's own sum over two).
+The collectives are exact: all-gathers copy bytes; a reduce-scatter over two ranks is one
+addition per element (which commutes bit for bit, as gloo's own sum over two), and over
+more ranks adds in the order gloo's ring all-reduce does (``ring_owner_runs``; checked
+against gloo on each group before it is used, else gloo keeps those reduce-scatters).
 A group uses the transport only when every member could create and map every member's
 segment, which the members decide together when the group is first used
 (:meth:`ShmGroup.create`); otherwise the core keeps gloo.
@@ -62,6 +64,8 @@ _ACK = 64  # _ACK + member
 
 #: seconds of waiting between checks that the peers' processes are still alive
 _LIVENESS_EVERY = 1.0
+#: chunk plans kept per group (one per bucket that gathers row by row)
+_MAX_PLANS = 1024
 
 
 class ShmCollectiveError(RuntimeError):
@@ -77,6 +81,64 @@ def supported() -> bool:
         and os.path.isdir(SHM_DIR)
         and os.access(SHM_DIR, os.W_OK)
     )
+
+
+#: the largest segment gloo's ring all-reduce cuts a buffer into (gloo's default, as
+#: measured against torch 2.13's gloo; :meth:`ShmGroup.check_ring_order` confirms it per
+#: group before the transport reduce-scatters over more than two ranks)
+RING_MAX_SEGMENT_BYTES = 1 << 20
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _round_up(a: int, b: int) -> int:
+    return _ceil_div(a, b) * b
+
+
+def ring_owner_runs(n: int, size: int, world: int, rank: int) -> list[tuple[int, int, int]]:
+    """Where gloo's ring all-reduce of ``world`` chunks of ``n`` elements of ``size`` bytes
+    finishes each element of chunk ``rank``: ``(start, stop, rank it is reduced on)`` runs,
+    relative to the chunk. The ring cuts the buffer into a multiple of ``world`` segments
+    (at least two per rank, at most ``RING_MAX_SEGMENT_BYTES`` each, rounded up to whole
+    elements) and reduces each rank's share of segments on that rank; the shares do not
+    quite line up with the chunks, so a chunk can start with elements of another rank's."""
+    total = world * n * size
+    limit = size * max(1, RING_MAX_SEGMENT_BYTES // size)
+    segments = _round_up(max(_ceil_div(total, limit), 2 * world), world)
+    seg_bytes = _round_up(_ceil_div(total, segments), size)
+    share = (segments // world) * seg_bytes // size  # elements reduced on each rank
+    runs = []
+    start, stop = rank * n, (rank + 1) * n
+    g = start
+    while g < stop:
+        owner = g // share
+        end = min(stop, (owner + 1) * share)
+        runs.append((g - start, end - start, owner))
+        g = end
+    return runs
+
+
+def order_probe(world: int, dtype: torch.dtype) -> list[float]:
+    """One value per rank such that the ring's sums for neighbouring owners differ:
+    ``((x[o-1] + x[o-2]) + ...) + x[o]`` changes with ``o`` for every ``o`` (found by a
+    seeded search, the same on every rank; over two ranks any values, as their sum
+    commutes)."""
+    gen = torch.Generator().manual_seed(world)
+    if world <= 2:
+        return [float(v) for v in (torch.randn(world, generator=gen) * 64).to(dtype)]
+    for _ in range(10000):
+        x = list((torch.randn(world, generator=gen) * 64).to(dtype))
+        sums = []
+        for o in range(world):
+            acc = x[(o - 1) % world] + x[(o - 2) % world]
+            for k in range(3, world + 1):
+                acc = acc + x[(o - k) % world]
+            sums.append(acc)
+        if all(not torch.equal(sums[o], sums[o - 1]) for o in range(world)):
+            return [float(v) for v in x]
+    raise RuntimeError(f"no order probe found for {world} ranks")
 
 
 def _pid_namespace() -> str | None:
@@ -130,6 +192,9 @@ class ShmGroup:
         self.chunks = 0  # chunks each member has published so far (equal on all)
         self.ops = 0  # collectives run so far (equal on all)
         self.failed: str | None = None
+        #: whether :meth:`reduce_scatter` adds in gloo's order (always over two ranks;
+        #: over more, checked against gloo when the transport is made)
+        self.ring_order = world == 2
         self._plans: dict[int, tuple[object, list]] = {}
 
     # -- setup -----------------------------------------------------------------------------
@@ -183,7 +248,10 @@ class ShmGroup:
         pids = None
         if len(namespaces) == 1 and None not in namespaces:
             pids = {member: info[2] for member, info in enumerate(infos) if member != rank}
-        return cls(group, rank, world, segments, pids, timeout.total_seconds())
+        transport = cls(group, rank, world, segments, pids, timeout.total_seconds())
+        if world > 2:
+            transport.ring_order = transport.check_ring_order()
+        return transport
 
     # -- the protocol ----------------------------------------------------------------------
     def _fail(self, message: str) -> None:
@@ -225,9 +293,10 @@ class ShmGroup:
                     except PermissionError:
                         pass
 
-    def _run(self, kind: int, nbytes: int, n_chunks: int, put, take) -> None:
+    def _run(self, kind: int, nbytes: int, n_chunks: int, put, take, take_all=None) -> None:
         """One collective: ``put(i, slot)`` writes this rank's chunk ``i`` into its slot
-        number ``slot``; ``take(member, i, slot)`` consumes every peer's, in turn."""
+        number ``slot``; ``take(member, i, slot)`` consumes every peer's, in turn, or
+        (``take`` None) ``take_all(i, slot)`` all of them at once."""
         if self.failed is not None:
             raise ShmCollectiveError(
                 f"this group's shared-memory transport failed earlier ({self.failed}); "
@@ -260,8 +329,13 @@ class ShmGroup:
                         f"#{self.ops - 1} (kind {kind}, {nbytes} bytes): every member must "
                         "run the same collectives in the same order"
                     )
-                take(p, read, slot)
-                mine[_ACK + p] = c + 1
+                if take is not None:
+                    take(p, read, slot)
+                    mine[_ACK + p] = c + 1
+            if take is None:
+                take_all(read, slot)
+                for p in peers:
+                    mine[_ACK + p] = c + 1
             read += 1
         self.chunks = base + n_chunks
 
@@ -272,6 +346,8 @@ class ShmGroup:
         chunk plan is built once."""
         entry = self._plans.get(id(rows))
         if entry is None or entry[0] is not rows:
+            if len(self._plans) >= _MAX_PLANS:  # buckets rebuilt many times: start afresh
+                self._plans.clear()
             with torch.inference_mode(False):  # kept: normal tensors, as the slots
                 entry = self._plans[id(rows)] = (rows, self._plan(rows))
         self._gather(*entry[1])
@@ -324,8 +400,7 @@ class ShmGroup:
     def reduce_scatter_pair(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """Sum-reduce-scatter over two ranks: ``out`` = this rank's half of ``inp`` plus
         the peer's half for this rank, one addition per element (which commutes, so the
-        result is gloo's bit for bit). Over more ranks gloo's order of additions depends
-        on how its ring cuts the buffer, so the core keeps gloo there."""
+        result is gloo's bit for bit)."""
         me = self.rank
         halves = inp.view(2, -1)
         own, theirs = halves[me], halves[1 - me]
@@ -342,6 +417,84 @@ class ShmGroup:
             torch.add(typed[member][slot][: hi - lo], own[lo:hi], out=out[lo:hi])
 
         self._run(2, n * inp.element_size(), -(-n // per), put, take)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """Sum-reduce-scatter over any number of ranks, added in the order of gloo's ring
+        all-reduce (which gloo's ``reduce_scatter_tensor`` runs), so that the result is
+        gloo's bit for bit: an element that the ring reduces on rank ``o`` is
+        ``((x[o-1] + x[o-2]) + ...) + x[o]`` (members modulo the world size), and which
+        rank that is follows from how the ring cuts the buffer (:func:`ring_owner_runs`;
+        checked against gloo when the transport is made, see :meth:`check_ring_order`).
+
+        Chunk ``i`` of a rank's stream holds piece ``i`` of its part for every peer; once
+        every peer has published chunk ``i``, each rank adds its pieces in that order
+        straight from the peers' slots into ``out``."""
+        if self.world == 2:
+            self.reduce_scatter_pair(out, inp)
+            return
+        me, world, peers = self.rank, self.world, self.peers
+        parts = inp.view(world, -1)
+        n = parts.shape[1]
+        size = inp.element_size()
+        runs = ring_owner_runs(n, size, world, me)
+        typed = self._typed_slots(inp.dtype)
+        per = CHUNK_BYTES // (world - 1) // size  # elements of one piece
+        # where this rank's pieces sit in each peer's slot, and its own for each peer
+        at = {p: (me if me < p else me - 1) * per for p in peers}
+        mine_at = {q: (q if q < me else q - 1) * per for q in peers}
+
+        def put(i, slot):
+            lo, hi = i * per, min(n, (i + 1) * per)
+            dst = typed[me][slot]
+            for q in peers:
+                dst[mine_at[q] : mine_at[q] + hi - lo].copy_(parts[q][lo:hi])
+
+        def take_all(i, slot):
+            lo, hi = i * per, min(n, (i + 1) * per)
+            for a, b, owner in runs:
+                a, b = max(a, lo), min(b, hi)
+                if a >= b:
+                    continue
+
+                def piece(member, a=a, b=b):
+                    if member == me:
+                        return parts[me][a:b]
+                    return typed[member][slot][at[member] + a - lo : at[member] + b - lo]
+
+                acc = out[a:b]
+                torch.add(piece((owner - 1) % world), piece((owner - 2) % world), out=acc)
+                for k in range(3, world):
+                    acc.add_(piece((owner - k) % world))
+                acc.add_(piece(owner))
+
+        self._run(3, n * size, -(-n // per), put, None, take_all)
+
+    def check_ring_order(self) -> bool:
+        """Whether :meth:`reduce_scatter` gives gloo's ``reduce_scatter_tensor`` bit for bit
+        on this group (collective), for fp32 and bf16 at sizes where the ring's cut falls
+        inside a rank's chunk and where it cuts the buffer into more segments than two
+        per rank. Every element holds :func:`order_probe` values, whose sums in the
+        orders of neighbouring ranks differ: an element reduced on another rank than
+        predicted changes the result. Every member learns the same answer."""
+        import torch.distributed as dist
+
+        gloo_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or (
+            dist.reduce_scatter_tensor
+        )
+        ok = True
+        for dtype in (torch.float32, torch.bfloat16):
+            value = order_probe(self.world, dtype)[self.rank]
+            size = torch.tensor([], dtype=dtype).element_size()
+            for n in (3, 1001, 2 * RING_MAX_SEGMENT_BYTES // size + 5):
+                pack = torch.full((self.world * n,), value, dtype=dtype)
+                expect = torch.empty(n, dtype=dtype)
+                gloo_reduce_scatter(expect, pack.clone(), group=self.group)
+                mine = torch.empty(n, dtype=dtype)
+                self.reduce_scatter(mine, pack)
+                ok = ok and bool(torch.equal(mine, expect))
+        flags: list = [None] * self.world
+        dist.all_gather_object(flags, ok, group=self.group)
+        return all(flags)
 
     def _typed_slots(self, dtype: torch.dtype) -> list[list[torch.Tensor]]:
         typed = self._typed.get(dtype)

@@ -44,7 +44,15 @@ def shm_matches_gloo():
     # one element, under a chunk, exactly two chunks, and three chunks and a bit
     for dtype in (torch.float32, torch.bfloat16):
         size = torch.tensor([], dtype=dtype).element_size()
-        for shard in (1, 1001, 2 * chunk // size, 3 * chunk // size + 7):
+        for shard in (
+            1,
+            3,
+            1001,
+            1003,
+            2 * chunk // size,
+            2 * chunk // size + 5,
+            3 * chunk // size + 7,
+        ):
             torch.manual_seed(rank * 7 + shard)
             inp = _with_specials(torch.randn(shard).to(dtype)) if shard > 4 else torch.randn(shard)
             inp = inp.to(dtype)
@@ -72,20 +80,25 @@ def shm_matches_gloo():
                 grid = native.view(world, shard)
                 expect = torch.cat([grid[:, :3].flatten(), grid[:, 3:].flatten()])
                 out[f"ag rows {dtype} {shard}"] = torch.equal(_bits(flat), _bits(expect))
-            if world != 2:
-                continue
-            # the pair reduce-scatter: one addition, as gloo's
+            # the reduce-scatter: gloo's order of additions (over two ranks, one addition);
+            # values over six decades, so that another order would round differently
             torch.manual_seed(100 + rank + shard)
-            pack = torch.randn(world * shard) * torch.logspace(-3, 3, world * shard)
+            pack = torch.randn(world * shard) * torch.logspace(-3, 3, world * shard) * 7.0**rank
             pack = pack.to(dtype)
             pack[:1] = -0.0 if rank else 0.0
             native_rs = torch.empty(shard, dtype=dtype)
             dist.reduce_scatter_tensor(native_rs, pack.clone())
             mine_rs = torch.full((shard,), 7.0, dtype=dtype)
             kept = pack.clone()
-            transport.reduce_scatter_pair(mine_rs, pack)
+            transport.reduce_scatter(mine_rs, pack)
             out[f"rs {dtype} {shard}"] = torch.equal(_bits(mine_rs), _bits(native_rs))
             out[f"rs input kept {dtype} {shard}"] = torch.equal(_bits(pack), _bits(kept))
+            # every element order-sensitive: reduced on another rank, it would differ
+            probe = torch.full((world * shard,), _shm.order_probe(world, dtype)[rank], dtype=dtype)
+            dist.reduce_scatter_tensor(native_rs, probe.clone())
+            transport.reduce_scatter(mine_rs, probe)
+            out[f"rs probe {dtype} {shard}"] = torch.equal(_bits(mine_rs), _bits(native_rs))
+    out["ring order checked"] = transport.ring_order
     out["chunks equal on every rank"] = transport.chunks
     return out
 
@@ -195,3 +208,48 @@ def test_transport_waits_as_long_as_the_process_group(run_ranks):
     from hyperfsdp_core.testing.pool import DEFAULT_TIMEOUT
 
     assert run_ranks(2, reads_group_timeout) == [DEFAULT_TIMEOUT] * 2
+
+
+def reduce_scatter_path(ring_order_holds: bool):
+    from torch import nn
+
+    from hyperfsdp_core import _collectives as coll
+    from hyperfsdp_core import fully_shard
+
+    called = []
+    names = ("_reduce_scatter_shm", "_reduce_scatter_in_place")
+    saved = [getattr(coll, n) for n in names] + [_shm.ShmGroup.check_ring_order]
+
+    def spy(name, fn):
+        def call(*args, **kwargs):
+            called.append(name)
+            return fn(*args, **kwargs)
+
+        return call
+
+    for n, fn in zip(names, saved):
+        setattr(coll, n, spy(n, fn))
+    if not ring_order_holds:  # as if this gloo cut its ring differently
+        _shm.ShmGroup.check_ring_order = lambda self: False
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+        fully_shard(model[0])
+        fully_shard(model)
+        model(torch.randn(2, 8)).sum().backward()
+        transport = model._hyperfsdp_state.ctx.comm.shm(None)
+        return sorted(set(called)), transport.ring_order
+    finally:
+        for n, fn in zip(names, saved):
+            setattr(coll, n, fn)
+        _shm.ShmGroup.check_ring_order = saved[-1]
+
+
+@pytest.mark.parametrize("ring_order_holds", [True, False])
+def test_reduce_scatter_over_four_ranks_needs_gloos_order(run_ranks, ring_order_holds):
+    # over more than two ranks the transport reduce-scatters only where its order of
+    # additions was checked equal to gloo's on the group; otherwise gloo's all-reduce stays
+    for called, checked in run_ranks(4, reduce_scatter_path, ring_order_holds):
+        assert checked is ring_order_holds
+        expect = "_reduce_scatter_shm" if ring_order_holds else "_reduce_scatter_in_place"
+        assert called == [expect]

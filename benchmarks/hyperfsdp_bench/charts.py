@@ -20,7 +20,14 @@ from .report import peak_over_ranks
 MiB = 1024 * 1024
 #: drawing order and colours (others follow in the order they ran)
 IMPL_ORDER = ("hyperfsdp", "fsdp2", "ddp", "floor")
-COLORS = {"hyperfsdp": "tab:blue", "fsdp2": "tab:red", "ddp": "tab:green", "floor": "tab:gray"}
+COLORS = {
+    "hyperfsdp": "tab:blue",
+    "fsdp2": "tab:red",
+    "ddp": "tab:green",
+    "floor": "tab:gray",
+    "hyperfsdp-gloo": "tab:cyan",
+    "hyperfsdp-native": "tab:olive",
+}
 #: the scaling sweep's axes: (config, fixed world, depths) and (config, fixed depth, worlds)
 LAYERS_AXIS = ("even", 2, (4, 8, 16, 32))
 WORLD_AXIS = ("even", 8, (1, 2, 4))
