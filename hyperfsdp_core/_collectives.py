@@ -45,7 +45,7 @@ GLOO_ALL_REDUCE = os.environ.get("HYPERFSDP_GLOO_NATIVE_COLLECTIVES", "") != "1"
 #: ``HYPERFSDP_GLOO_ALL_GATHER_MIN_BYTES`` overrides it (read when a root's communication
 #: state is created); figures in docs/performance.md.
 GLOO_ALL_GATHER_MIN_BYTES = int(os.environ.get("HYPERFSDP_GLOO_ALL_GATHER_MIN_BYTES", 1 << 20))
-#: Ranks of one host exchange all-gathers and two-rank reduce-scatters through shared
+#: Ranks of one host exchange all-gathers and sum-reduce-scatters through shared
 #: memory instead (``_shm.py``): one copy in and one out, no socket, no worker thread; at
 #: world 2 a 16 MiB all-gather takes 3.5 ms against 10 for gloo's own. Used on gloo groups
 #: whose members all map each other's segments (decided together at a group's first

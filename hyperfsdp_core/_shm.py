@@ -1,4 +1,4 @@
-"""All-gathers and pair reduce-scatters through shared memory, for the ranks of one host.
+"""All-gathers and reduce-scatters through shared memory, for the ranks of one host.
 
 gloo moves every byte through a loopback TCP socket: a copy into the kernel, a copy out,
 and a worker-thread handoff per message, which on CPU ranks costs more than the compute
@@ -216,13 +216,17 @@ class ShmGroup:
             try:
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
                 try:
-                    os.ftruncate(fd, size)
+                    # reserve the pages now: a full /dev/shm (a container's default is
+                    # 64 MiB) then fails here, and gloo is kept, instead of a SIGBUS later
+                    os.posix_fallocate(fd, 0, size)
                     mm = mmap.mmap(fd, size)
                 finally:
                     os.close(fd)
                 memoryview(mm)[:header_bytes].cast("q")[_TOKEN] = token
             except OSError:
                 mm = None
+                if os.path.exists(path):
+                    os.unlink(path)
         mine = (path if mm is not None else None, token, os.getpid(), _pid_namespace())
         infos: list = [None] * world
         dist.all_gather_object(infos, mine, group=group)

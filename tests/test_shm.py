@@ -164,7 +164,7 @@ def test_absent_peer_times_out_and_exited_peer_fails_fast(run_ranks, dead_peer):
         assert 1.5 <= waited < 10
 
 
-def setup_leaves_no_files(refuse_on_rank: int | None):
+def setup_leaves_no_files(refuse_on_rank: int | None, how: str = "unsupported"):
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -176,26 +176,34 @@ def setup_leaves_no_files(refuse_on_rank: int | None):
             created.append(path)
         return real_open(path, flags, *args)
 
-    saved = _shm.supported
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    saved, saved_fallocate = _shm.supported, _shm.os.posix_fallocate
     if rank == refuse_on_rank:  # this member cannot map shared memory
-        _shm.supported = lambda: False
+        if how == "unsupported":
+            _shm.supported = lambda: False
+        else:  # its /dev/shm is full
+            _shm.os.posix_fallocate = full
     _shm.os.open = spy_open
     try:
         transport = _shm.ShmGroup.create(None, rank, world, timedelta(seconds=30))
     finally:
         _shm.os.open = real_open
-        _shm.supported = saved
+        _shm.supported, _shm.os.posix_fallocate = saved, saved_fallocate
     return transport is not None, [p for p in created if os.path.exists(p)], len(created)
 
 
-@pytest.mark.parametrize("refuse_on_rank", [None, 1])
-def test_members_agree_and_no_segment_file_outlives_setup(run_ranks, refuse_on_rank):
-    results = run_ranks(2, setup_leaves_no_files, refuse_on_rank)
+@pytest.mark.parametrize(
+    "refuse_on_rank, how", [(None, ""), (1, "unsupported"), (1, "/dev/shm full")]
+)
+def test_members_agree_and_no_segment_file_outlives_setup(run_ranks, refuse_on_rank, how):
+    results = run_ranks(2, setup_leaves_no_files, refuse_on_rank, how)
     # every member decides the same: all use shared memory, or none (gloo stays)
     assert {used for used, _, _ in results} == {refuse_on_rank is None}
     for rank, (_, left, made) in enumerate(results):
         assert left == []
-        assert made == (0 if rank == refuse_on_rank else 1)
+        assert made == (0 if rank == refuse_on_rank and how == "unsupported" else 1)
 
 
 def reads_group_timeout():
