@@ -426,10 +426,8 @@ class Comm:
         or some member cannot map the others' memory). Made at the group's first
         collective, which every member reaches at the same point: making it is
         collective."""
-        try:
+        if group in self._shm:
             return self._shm[group]
-        except KeyError:
-            pass
         transport = None
         if self.use_shm and self.uses_all_reduce(group):
             rank, world = self._place(group)
@@ -476,7 +474,7 @@ class Comm:
             self._observe("all_gather", group, out, unit)
         if custom is not None:
             call = lambda: custom(out, inp, group, async_op=self.is_cpu)  # noqa: E731
-        elif self.use_shm and (shm := self.shm(group)) is not None:
+        elif (shm := self.shm(group)) is not None:
             call = lambda: _all_gather_shm(out, inp, group=group, transport=shm)  # noqa: E731
         else:
             call = lambda: _all_gather(out, inp, group=group, async_op=self.is_cpu)  # noqa: E731
@@ -503,7 +501,7 @@ class Comm:
         self.stats.all_gather_bytes += buffer.numel() * buffer.element_size()
         if self.observers:
             self._observe("all_gather", group, buffer, unit)
-        shm = self.shm(group) if self.use_shm else None
+        shm = self.shm(group)
         if shm is not None:
             call = lambda: _all_gather_rows_shm(rows, group=group, transport=shm)  # noqa: E731
         else:
@@ -530,10 +528,8 @@ class Comm:
         if custom is not None:
             call = lambda: custom(out, inp, group, op, async_op=self.is_cpu)  # noqa: E731
         elif (
-            self.use_shm
-            and op == dist.ReduceOp.SUM
+            op == dist.ReduceOp.SUM
             and inp.is_contiguous()
-            and self.uses_all_reduce(group)
             and (shm := self.shm(group)) is not None
             and shm.ring_order
         ):

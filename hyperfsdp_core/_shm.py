@@ -183,7 +183,6 @@ class ShmGroup:
         self.rank = rank
         self.world = world
         self.peers = [p for p in range(world) if p != rank]
-        self._segments = segments
         self._headers = [s.header for s in segments]
         self._slots = [s.slots for s in segments]
         self._typed: dict[torch.dtype, list[list[torch.Tensor]]] = {}
@@ -297,10 +296,10 @@ class ShmGroup:
                     except PermissionError:
                         pass
 
-    def _run(self, kind: int, nbytes: int, n_chunks: int, put, take, take_all=None) -> None:
+    def _run(self, kind: int, nbytes: int, n_chunks: int, put, take) -> None:
         """One collective: ``put(i, slot)`` writes this rank's chunk ``i`` into its slot
-        number ``slot``; ``take(member, i, slot)`` consumes every peer's, in turn, or
-        (``take`` None) ``take_all(i, slot)`` all of them at once."""
+        number ``slot``; once every peer has published its chunk ``i``, ``take(i, slot)``
+        consumes them (each from that peer's slot ``slot``)."""
         if self.failed is not None:
             raise ShmCollectiveError(
                 f"this group's shared-memory transport failed earlier ({self.failed}); "
@@ -333,13 +332,9 @@ class ShmGroup:
                         f"#{self.ops - 1} (kind {kind}, {nbytes} bytes): every member must "
                         "run the same collectives in the same order"
                     )
-                if take is not None:
-                    take(p, read, slot)
-                    mine[_ACK + p] = c + 1
-            if take is None:
-                take_all(read, slot)
-                for p in peers:
-                    mine[_ACK + p] = c + 1
+            take(read, slot)
+            for p in peers:
+                mine[_ACK + p] = c + 1
             read += 1
         self.chunks = base + n_chunks
 
@@ -364,9 +359,9 @@ class ShmGroup:
         self._gather(*self._plan([rows]))
 
     @staticmethod
-    def _plan(rows: list[torch.Tensor]) -> tuple[list[torch.Tensor], list]:
-        """The rows as bytes, and their concatenation cut into chunks: per chunk, its
-        pieces ``(row index, start, stop, offset in the slot)``."""
+    def _plan(rows: list[torch.Tensor]) -> tuple[list[torch.Tensor], list, int]:
+        """The rows as bytes, their concatenation cut into chunks (per chunk, its pieces
+        ``(row index, start, stop, offset in the slot)``), and its byte count."""
         rows8 = [r.view(torch.uint8) for r in rows]
         plan: list = []
         pieces: list = []
@@ -383,22 +378,22 @@ class ShmGroup:
                     pieces, fill = [], 0
         if pieces:
             plan.append(pieces)
-        return rows8, plan
+        return rows8, plan, sum(r.shape[1] for r in rows8)
 
-    def _gather(self, rows8: list[torch.Tensor], plan: list) -> None:
-        me, slots = self.rank, self._slots
+    def _gather(self, rows8: list[torch.Tensor], plan: list, nbytes: int) -> None:
+        me, peers, slots = self.rank, self.peers, self._slots
 
         def put(i, slot):
             dst = slots[me][slot]
             for index, start, stop, at in plan[i]:
                 dst[at : at + stop - start].copy_(rows8[index][me, start:stop])
 
-        def take(member, i, slot):
-            src = slots[member][slot]
-            for index, start, stop, at in plan[i]:
-                rows8[index][member, start:stop].copy_(src[at : at + stop - start])
+        def take(i, slot):
+            for member in peers:
+                src = slots[member][slot]
+                for index, start, stop, at in plan[i]:
+                    rows8[index][member, start:stop].copy_(src[at : at + stop - start])
 
-        nbytes = sum(r.shape[1] for r in rows8)
         self._run(1, nbytes, len(plan), put, take)
 
     def reduce_scatter_pair(self, out: torch.Tensor, inp: torch.Tensor) -> None:
@@ -416,11 +411,11 @@ class ShmGroup:
             lo, hi = i * per, min(n, (i + 1) * per)
             typed[me][slot][: hi - lo].copy_(theirs[lo:hi])
 
-        def take(member, i, slot):
+        def take(i, slot):
             lo, hi = i * per, min(n, (i + 1) * per)
-            torch.add(typed[member][slot][: hi - lo], own[lo:hi], out=out[lo:hi])
+            torch.add(typed[1 - me][slot][: hi - lo], own[lo:hi], out=out[lo:hi])
 
-        self._run(2, n * inp.element_size(), -(-n // per), put, take)
+        self._run(2, n * inp.element_size(), _ceil_div(n, per), put, take)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """Sum-reduce-scatter over any number of ranks, added in the order of gloo's ring
@@ -453,7 +448,7 @@ class ShmGroup:
             for q in peers:
                 dst[mine_at[q] : mine_at[q] + hi - lo].copy_(parts[q][lo:hi])
 
-        def take_all(i, slot):
+        def take(i, slot):
             lo, hi = i * per, min(n, (i + 1) * per)
             for a, b, owner in runs:
                 a, b = max(a, lo), min(b, hi)
@@ -471,7 +466,7 @@ class ShmGroup:
                     acc.add_(piece((owner - k) % world))
                 acc.add_(piece(owner))
 
-        self._run(3, n * size, -(-n // per), put, None, take_all)
+        self._run(3, n * size, _ceil_div(n, per), put, take)
 
     def check_ring_order(self) -> bool:
         """Whether :meth:`reduce_scatter` gives gloo's ``reduce_scatter_tensor`` bit for bit
