@@ -212,6 +212,11 @@ class Handle:
         self._done = work is None and event is None
         self.keepalive = keepalive
 
+    @property
+    def done(self) -> bool:
+        """Whether the collective has completed (it ran in line) or been waited for."""
+        return self._done
+
     def wait(self) -> None:
         if self._done:
             return
@@ -295,8 +300,17 @@ class StoragePool:
         self.parking = False
         self._free = []
 
-    def resume(self) -> None:
+    def resume(self, max_idle: int = 2) -> None:
         self.parking = True
+        self.max_idle = max_idle
+
+    def parks(self, storage: torch.UntypedStorage) -> bool:
+        """Park ``storage``'s memory if it is of the size class parked now (a reduce-scatter
+        input of a unit's unsharded size, done with: the next unit's unshard takes it)."""
+        if not self.parking or storage.nbytes() != self._key:
+            return False
+        self.park(storage)
+        return True
 
     def park(self, storage: torch.UntypedStorage) -> None:
         from ._torch_private import swap_storage_memory
@@ -314,6 +328,12 @@ class StoragePool:
         holder = torch.UntypedStorage(0)
         swap_storage_memory(holder, storage)
         self._free.append(holder)
+
+    def take(self, nbytes: int) -> torch.UntypedStorage | None:
+        """Parked memory of ``nbytes`` as a storage of its own, or None if none is idle."""
+        if nbytes != self._key or not self._free:
+            return None
+        return self._free.pop()
 
     def unpark(self, storage: torch.UntypedStorage, nbytes: int) -> bool:
         """Give ``storage`` (empty) parked memory of ``nbytes``; False if none is idle."""
@@ -373,11 +393,17 @@ class Comm:
         if custom is not None:
             return custom.allocate((numel,), dtype=dtype, device=self.device)
         if self.pools is not None:
+            if use == "reduce":  # the memory a unit's reshard just parked, if of this size
+                storage = self.storage_pool.take(numel * dtype.itemsize)
+                if storage is not None:
+                    return torch.empty(0, dtype=dtype).set_(storage, 0, (numel,), (1,))
             return self.pools[use].get(numel, dtype)
         return torch.empty(numel, dtype=dtype, device=self.device)
 
     def recycle(self, tensor: torch.Tensor | None, use: str, custom=None) -> None:
         if self.pools is not None and tensor is not None and custom is None:
+            if use == "reduce" and self.storage_pool.parks(tensor.untyped_storage()):
+                return  # parked for the next unshard of that size (see ``buffer``)
             self.pools[use].put(tensor)
 
     def trim(self) -> None:
@@ -393,9 +419,10 @@ class Comm:
         if self.storage_pool is not None:
             self.storage_pool.stop()
 
-    def resume_parking(self) -> None:
+    def resume_parking(self, max_idle: int = 2) -> None:
+        """Reshards park their memory again, at most ``max_idle`` buffers at a time."""
         if self.storage_pool is not None:
-            self.storage_pool.resume()
+            self.storage_pool.resume(max_idle)
 
     @property
     def pooled_bytes(self) -> int:

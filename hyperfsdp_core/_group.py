@@ -133,6 +133,22 @@ class Bucket:
     def padding_numel(self) -> int:
         return sum(p.layout.padding_numel for p in self.params)
 
+    def gathers_in_line(self, comm: Comm) -> bool:
+        """Whether this bucket's next unshard runs to completion in the calling thread
+        when it is issued (a local copy or cast on CPU, or a gather through shared
+        memory): prefetching it would overlap nothing, only hold it longer."""
+        if not comm.is_cpu or self.custom_all_gather is not None:
+            return False
+        if not self.needs_all_gather:
+            return True
+        kept = self._post_forward_shard
+        group = (
+            self._pf.info.shard_group
+            if kept is not None and self._pf is not None
+            else self.mesh_info.shard_group
+        )
+        return comm.shm(group) is not None
+
     # -- sharded storage --------------------------------------------------------------------
     def build_sharded(
         self, locals_: list[torch.Tensor], device: torch.device, pin_memory: bool = False
@@ -562,6 +578,11 @@ class ParamGroup:
     @property
     def has_pending(self) -> bool:
         return any(b.pending is not None for b in self.buckets)
+
+    def prefetch_overlaps(self, comm: Comm) -> bool:
+        """Whether an unshard issued ahead of time overlaps communication with compute
+        (some bucket's gather runs asynchronously, see :meth:`Bucket.gathers_in_line`)."""
+        return not all(b.gathers_in_line(comm) for b in self.buckets)
 
     def unshard(self, comm: Comm) -> None:
         if self.kept_versions is not None:  # before anything (a prefetch too) reuses it

@@ -274,6 +274,9 @@ def reduce_bucket(bucket: Bucket, comm: Comm, *, include_unused: bool) -> Reduct
     handle = comm.reduce_scatter(
         output, pack, group, dist.ReduceOp.SUM, custom, unit=bucket.unit_fqn, scratch_input=True
     )
+    if handle.done:  # it ran in line (shared memory): the pack is free now
+        comm.recycle(recycle, "reduce", custom)
+        return Reduction(bucket, output, handle, None, plan, present)
     if custom is not None:  # the custom comm owns its buffers: never pooled
         recycle = None
     red = Reduction(bucket, output, handle, recycle, plan, present)

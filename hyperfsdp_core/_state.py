@@ -340,6 +340,12 @@ class FSDPState:
         if targets is None:
             nxt = ctx.next_in_forward.get(self)
             targets = [nxt] if nxt is not None else ()
+            group = nxt.group if nxt is not None else None
+            if group is not None and group.is_sharded and not group.prefetch_overlaps(nxt.comm):
+                # its gather runs in line when issued: gathered in its own pre-forward,
+                # it is held for less time at no cost (and this forward still has an
+                # unshard to take parked memory)
+                return
         issued = False
         for target in targets:
             if target.group is not None and target.group.is_sharded:
@@ -470,7 +476,10 @@ class FSDPState:
             index = self.post_forward_indices.pop()
             if index == 0:
                 return
-            targets = [ctx.post_forward_order[index - 1]]
+            target = ctx.post_forward_order[index - 1]
+            if target.group is not None and not target.group.prefetch_overlaps(target.comm):
+                return  # gathered in line in its own pre-backward (see _forward_prefetch)
+            targets = [target]
         for target in targets:
             # a unit whose backward already ran this pass (e.g. a stale entry from an
             # earlier microbatch) must not be gathered again: nothing would free it
@@ -480,6 +489,8 @@ class FSDPState:
                 and target is not self
                 and target.training_state is not S.BACKWARD
             ):
+                if not target.group.is_unsharded:  # parked memory would idle until then
+                    ctx.comm.stop_parking()
                 target.group.unshard(target.comm)
 
     def post_backward(self, force: bool = False) -> None:

@@ -295,15 +295,26 @@ def test_storage_pool_parks_and_hands_back_memory():
     assert pool.nbytes == 0
 
 
-def unsharded_memory_reuse():
+def unsharded_memory_reuse(shm):
     from hyperfsdp_core import _collectives as coll
+    from hyperfsdp_core.testing import shared_memory
 
     # the in-place all-gather (that of large units) for these tiny ones
     saved, coll.GLOO_ALL_GATHER_MIN_BYTES = coll.GLOO_ALL_GATHER_MIN_BYTES, 0
+    saved_rs = coll._reduce_scatter_shm
+    rs_inputs = []
+
+    def spy(output, input, **kw):
+        rs_inputs.append(input.data_ptr())
+        return saved_rs(output, input, **kw)
+
+    coll._reduce_scatter_shm = spy
     try:
-        return _unsharded_memory_reuse()
+        with shared_memory(shm):
+            return (*_unsharded_memory_reuse(), rs_inputs[-5:-1])  # the blocks, not the root
     finally:
         coll.GLOO_ALL_GATHER_MIN_BYTES = saved
+        coll._reduce_scatter_shm = saved_rs
 
 
 def _unsharded_memory_reuse():
@@ -312,24 +323,40 @@ def _unsharded_memory_reuse():
     for block in model.layers:
         fully_shard(block)
     fully_shard(model)
-    ptrs = []
+    ptrs, bwd_ptrs = [], []
 
     def record(module, args, output):
         ptrs.append(module._hyperfsdp_state.group.buckets[0].unsharded_flat.data_ptr())
 
+    def record_backward(module, grad_input, grad_output):
+        bwd_ptrs.append(module._hyperfsdp_state.group.buckets[0].unsharded_flat.data_ptr())
+
     for block in model.layers:
         block.register_forward_hook(record, prepend=True)  # before the reshard
+        block.register_full_backward_hook(record_backward)  # before its post-backward
     for step in range(2):  # the second forward prefetches (the first learns the order)
         ptrs.clear()
+        bwd_ptrs.clear()
         x, y = token_batch(step, 4, 5, 31)
         lm_loss(model(local_slice(x)), local_slice(y)).backward()
     comm = model._hyperfsdp_state.ctx.comm
-    return ptrs, comm.pooled_bytes
+    return ptrs, bwd_ptrs, comm.pooled_bytes
 
 
 def test_resharded_memory_goes_to_the_next_unshard(run_ranks):
-    for ptrs, pooled in run_ranks(2, unsharded_memory_reuse):
+    for ptrs, _, pooled, _ in run_ranks(2, unsharded_memory_reuse, False):
         # block 1 is prefetched while block 0 is unsharded; block 2 once block 0 has
         # resharded: it gets block 0's memory
         assert ptrs[2] == ptrs[0] and ptrs[3] == ptrs[1] and ptrs[0] != ptrs[1]
         assert pooled == 0  # nothing held past the backward
+
+
+def test_one_buffer_is_handed_along_when_gathers_run_in_line(run_ranks):
+    for ptrs, bwd_ptrs, pooled, rs_inputs in run_ranks(2, unsharded_memory_reuse, True):
+        # no prefetch: each block gathers into the memory the block before it resharded;
+        # in backward a block's reshard parks it, its reduce-scatter input takes it, and
+        # the next block's gather takes it back
+        assert len(set(ptrs)) == 1 and len(ptrs) == 4
+        assert len(bwd_ptrs) == 4 and len(set(bwd_ptrs)) == 1
+        assert set(rs_inputs) == set(bwd_ptrs)
+        assert pooled == 0

@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from hyperfsdp_core import fully_shard
+from hyperfsdp_core.testing import shared_memory
 from hyperfsdp_core.testing.reference import (
     MLPStack,
     assert_close_params,
@@ -218,7 +219,12 @@ def test_demo_command():
     assert "sharding plan (rank 0):" in out.stdout and "tok_embeddings.weight" in out.stdout
 
 
-def prefetch_observed():
+def prefetch_observed(shm):
+    with shared_memory(shm):
+        return _prefetch_observed()
+
+
+def _prefetch_observed():
     torch.manual_seed(0)
     model = MLPStack([6, 6, 6, 6, 6])
     for layer in model.layers:
@@ -241,14 +247,28 @@ def prefetch_observed():
 
 
 def test_next_units_all_gather_is_issued_before_its_forward(run_ranks):
-    (seen, _) = run_ranks(2, prefetch_observed)
+    (seen, _) = run_ranks(2, prefetch_observed, False)
     # second iteration: layer 0 is prefetched by the root, layers 1.. by their predecessor
     assert seen == [(0, True), (1, True), (2, True), (3, True)]
 
 
-def backward_prefetch_order():
+def test_gathers_in_line_are_not_prefetched(run_ranks):
+    # through shared memory an all-gather completes when issued: issuing it a unit early
+    # would overlap nothing, so each unit gathers in its own pre-forward
+    (seen, _) = run_ranks(2, prefetch_observed, True)
+    assert seen == [(0, False), (1, False), (2, False), (3, False)]
+
+
+def backward_prefetch_order(shm):
     """In backward the root prefetches the last block once its first gradient is
-    accumulated (past the loss/head activation peak), before that block's backward."""
+    accumulated (past the loss/head activation peak), before that block's backward
+    (gathers through gloo; through shared memory each block gathers in its own
+    pre-backward)."""
+    with shared_memory(shm):
+        return _backward_prefetch_order()
+
+
+def _backward_prefetch_order():
     from hyperfsdp_core._group import Bucket
     from hyperfsdp_core.testing.reference import Transformer
 
@@ -282,8 +302,19 @@ def backward_prefetch_order():
 
 
 def test_backward_prefetch_from_the_root_is_deferred_past_its_first_gradient(run_ranks):
-    events = run_ranks(2, backward_prefetch_order)[0]
+    events = run_ranks(2, backward_prefetch_order, False)[0]
     # the root's own backward starts first; layers.1's gather is issued before its backward
     assert events[0] == ("", "backward_pre")
     assert events.index(("layers.1", "gather_issued")) < events.index(("layers.1", "backward_pre"))
     assert events.index(("layers.0", "gather_issued")) < events.index(("layers.0", "backward_pre"))
+
+
+def test_backward_gathers_in_line_in_each_units_pre_backward(run_ranks):
+    events = run_ranks(2, backward_prefetch_order, True)[0]
+    assert events == [
+        ("", "backward_pre"),
+        ("layers.1", "backward_pre"),
+        ("layers.1", "gather_issued"),
+        ("layers.0", "backward_pre"),
+        ("layers.0", "gather_issued"),
+    ]

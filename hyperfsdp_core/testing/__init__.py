@@ -3,7 +3,8 @@
 ``run_on_ranks(world_size, fn, *args)`` runs the module-level function ``fn`` on
 ``world_size`` CPU processes that share a gloo default process group, and returns
 each rank's return value. Processes are kept alive between calls. ``registered(plugin,
-name)`` registers a throwaway plugin for the duration of a ``with`` block.
+name)`` registers a throwaway plugin for the duration of a ``with`` block;
+``shared_memory(enabled)`` turns the core's shared-memory collectives on or off for one.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ __all__ = [
     "current_rank",
     "registered",
     "run_on_ranks",
+    "shared_memory",
 ]
 
 
@@ -35,3 +37,19 @@ def registered(plugin: object, name: str) -> Iterator[object]:
         yield pm
     finally:
         pm.unregister(plugin)
+
+
+@contextlib.contextmanager
+def shared_memory(enabled: bool) -> Iterator[None]:
+    """Whether roots whose communication state is made inside the ``with`` block move
+    their gloo collectives through shared memory (the default where the ranks share a
+    host) or through gloo itself (as ``HYPERFSDP_SHM=0`` does for a whole run). With
+    shared memory a collective runs in line when it is issued, so the core does not
+    prefetch the next unit's all-gather; test both where that matters."""
+    from .. import _collectives
+
+    saved, _collectives.SHM = _collectives.SHM, enabled
+    try:
+        yield
+    finally:
+        _collectives.SHM = saved
