@@ -280,13 +280,18 @@ class StoragePool:
     then empty, as after ``resize_(0)``); an unshard of the same byte size takes it back
     instead of faulting in fresh pages from the OS. Like :class:`BufferPool`: one size
     class at a time and at most ``max_idle`` parked buffers, emptied with the other
-    pools at the end of every forward and backward. It parks in forward only: there a
-    unit reshards just before the next unit's pre-forward prefetches, which takes the
-    memory at once, so parking holds nothing the freeing did not (it changes where the
-    pages come from, not how many are in use). Once the forward has no unshard left to
-    issue (a unit found nothing to prefetch), and for the whole backward (where a
-    prefetch is issued before the previous unit reshards), :meth:`stop` frees what is
-    parked and reshards free until :meth:`resume` (the next forward).
+    pools at the end of every forward and backward. Parking changes where the pages come
+    from, not how many are in use, as long as the memory is taken back at once:
+
+    - in forward a unit reshards just before the next unit's unshard (its prefetch, or
+      its own pre-forward where gathers run in line), which takes the memory; once the forward has no unshard left to issue,
+      :meth:`stop` frees what is parked and reshards free until :meth:`resume`;
+    - in backward (at most one buffer) a unit's reshard parks, its reduce-scatter input
+      of the same size takes the memory (:meth:`take`), and once the reduce-scatter is
+      done the input is parked again (:meth:`parks`) for the next unit's unshard, one
+      buffer handed along the backward. A backward prefetch of a unit not yet unsharded
+      is issued before the unit after it reshards, so it stops parking: parked memory
+      would idle through a whole gradient computation.
     """
 
     def __init__(self, max_idle: int = 2) -> None:

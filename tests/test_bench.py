@@ -258,3 +258,44 @@ def test_charts_are_drawn(tmp_path):
     paths = charts.draw_all(json.loads(path.read_text()), tmp_path / "out")
     assert sorted(p.name for p in paths) == ["scaling-layers.png", "timeline-even-w2-l4.png"]
     assert all(p.stat().st_size > 10_000 for p in paths)
+
+
+def test_bf16_floor_computes_what_mixed_precision_does():
+    """The bf16 floor: fp32 parameters cast into a bf16 copy before each forward, the copy's
+    gradients cast back to fp32; equal bit for bit to doing those casts by hand."""
+    import copy
+
+    import torch
+    from hyperfsdp_bench.impls import CaseSpec, build
+    from hyperfsdp_bench.model import ModelConfig, build_model
+
+    cfg = ModelConfig(vocab=64, dim=16, n_layers=2, n_heads=2, hidden=32, seq_len=8, batch=2)
+    spec = CaseSpec(cfg, precision="bf16", seed=3)
+    built = build("floor", spec)
+    masters = list(built.state_model.parameters())
+    assert all(p.dtype == torch.float32 for p in masters)
+    assert all(p.dtype == torch.bfloat16 for p in built.model.parameters())
+
+    ref = build_model(cfg, 3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=spec.lr, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq_len), generator=gen)
+        targets = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq_len), generator=gen)
+        built.optimizer.zero_grad(set_to_none=True)
+        loss = built.model(tokens, targets)
+        loss.backward()
+        assert all(p.grad is None for p in built.model.parameters())
+        assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in masters)
+        built.optimizer.step()
+
+        low = copy.deepcopy(ref).to(torch.bfloat16)
+        ref_loss = low(tokens, targets)
+        ref_loss.backward()
+        for full, p in zip(ref.parameters(), low.parameters(), strict=True):
+            full.grad = p.grad.float()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        assert torch.equal(loss, ref_loss)
+    for a, b in zip(masters, ref.parameters(), strict=True):
+        assert torch.equal(a, b)

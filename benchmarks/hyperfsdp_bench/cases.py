@@ -15,7 +15,7 @@ from .names import HOST_OVERHEAD, MODEL_CONFIGS
 CONFIGS = {
     "even": "dims divisible by every world size, fp32",
     "uneven": "vocab 8193 and MLP hidden 705 (not divisible by the world size), fp32",
-    "bf16": "bf16 compute, fp32 reduce (MixedPrecisionPolicy; DDP/floor use autocast)",
+    "bf16": "bf16 compute, fp32 reduce (MixedPrecisionPolicy; the floor the same casts, DDP autocast)",
     "no-reshard": "reshard_after_forward=False, fp32",
     "hsdp": "HSDP on a (2, world/2) (replicate, shard) mesh, fp32 (hyperfsdp needs hyperfsdp-hsdp)",
     "tp": "TP + FSDP: (world/2, 2) (dp, tp) mesh, Colwise/Rowwise + sequence parallel, FSDP over dp, fp32 (hyperfsdp needs hyperfsdp-tp)",

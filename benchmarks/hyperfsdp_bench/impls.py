@@ -96,10 +96,42 @@ class Built:
     optimizer: torch.optim.Optimizer
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     n_units: int = 0
+    #: the module whose parameters are the training state (live bytes); None: ``model``
+    state_model: nn.Module | None = None
 
 
 def _autocast_bf16() -> contextlib.AbstractContextManager:
     return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+def _bf16_compute_copy(model: nn.Module) -> nn.Module:
+    """The floor of the bf16 cases: what both FSDPs compute under
+    ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, without communication.
+
+    Returns a bf16 copy of ``model`` that runs forward and backward. ``model``'s fp32
+    parameters stay the training state (the optimizer's): they are cast into the copy
+    before every forward, and each copy's gradient is cast back to fp32 into its
+    parameter's ``.grad`` as soon as it is accumulated (the copy keeps none).
+    """
+    import copy
+
+    compute = copy.deepcopy(model).to(torch.bfloat16)
+    pairs = list(zip(compute.parameters(), model.parameters(), strict=True))
+
+    def cast_in(module, args) -> None:
+        with torch.no_grad():
+            for low, full in pairs:
+                low.copy_(full)
+
+    def cast_out(full: nn.Parameter, low: nn.Parameter) -> None:
+        grad = low.grad.float()
+        full.grad = grad if full.grad is None else full.grad.add_(grad)
+        low.grad = None
+
+    compute.register_forward_pre_hook(cast_in)
+    for low, full in pairs:
+        low.register_post_accumulate_grad_hook(lambda p, full=full: cast_out(full, p))
+    return compute
 
 
 def _shard(model: nn.Module, fully_shard, mp_policy_cls, spec: CaseSpec, offload=None) -> int:
@@ -173,10 +205,10 @@ def build(impl: str, spec: CaseSpec) -> Built:
         model = DistributedDataParallel(model)
         if spec.precision == "bf16":  # bf16 compute, gradients (and their all-reduce) in fp32
             autocast = _autocast_bf16
-    elif base == "floor" and spec.precision == "bf16":
-        autocast = _autocast_bf16
     foreach = True if variant == "foreach" else None  # None: torch's default (CPU: the loop)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.1, foreach=foreach)
+    if base == "floor" and spec.precision == "bf16":  # the FSDPs' mixed precision, no comms
+        return Built(_bf16_compute_copy(model), optimizer, autocast, n_units, state_model=model)
     return Built(model, optimizer, autocast, n_units)
 
 

@@ -106,7 +106,7 @@ class Runner:
             "warmup_losses": losses,
             "n_params_global": spec.model.n_params,
             "n_units": self.built.n_units,
-            **measure.live_state_bytes(model, self.built.optimizer),
+            **measure.live_state_bytes(self.built.state_model or model, self.built.optimizer),
             "rss_at_start": self.rss_at_start,
             "rss_after_setup": measure.rss_bytes(),
             "peak_rss_setup": measure.peak_rss_bytes(),
