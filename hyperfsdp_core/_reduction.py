@@ -265,6 +265,9 @@ def reduce_bucket(bucket: Bucket, comm: Comm, *, include_unused: bool) -> Reduct
     else:
         pack = recycle = comm.buffer(world * total, rdtype, "reduce", custom)
         plan.pack(pack.view(world, total), grads)
+        # the gradients are in the pack: free them before the output is allocated, so it
+        # can take their memory (and the two are never held together)
+        grads = g0 = None
     if scale is not None:
         pack.mul_(scale)
     output = torch.empty(total, dtype=rdtype, device=bucket.device)

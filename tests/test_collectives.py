@@ -360,3 +360,50 @@ def test_one_buffer_is_handed_along_when_gathers_run_in_line(run_ranks):
         assert len(bwd_ptrs) == 4 and len(set(bwd_ptrs)) == 1
         assert set(rs_inputs) == set(bwd_ptrs)
         assert pooled == 0
+
+
+def gradients_freed_before_reduce(shm):
+    import weakref
+
+    from hyperfsdp_core import _collectives as coll
+    from hyperfsdp_core._param import HSDPParam
+    from hyperfsdp_core.testing import shared_memory
+
+    taken, alive_at_issue = [], []
+    saved_take, saved_rs = HSDPParam.take_unsharded_grad, coll.Comm.reduce_scatter
+
+    def take(self):
+        grad = saved_take(self)
+        if grad is not None:
+            taken.append(weakref.ref(grad))
+        return grad
+
+    def reduce_scatter(self, output, *args, **kw):
+        alive_at_issue.append(sum(ref() is not None for ref in taken))
+        taken.clear()
+        return saved_rs(self, output, *args, **kw)
+
+    HSDPParam.take_unsharded_grad, coll.Comm.reduce_scatter = take, reduce_scatter
+    try:
+        with shared_memory(shm):
+            torch.manual_seed(0)
+            model = Transformer(vocab=31, dim=8, n_layers=2, hidden=12)
+            for block in model.layers:
+                fully_shard(block)
+            fully_shard(model)
+            for step in range(2):
+                x, y = token_batch(step, 4, 5, 31)
+                lm_loss(model(local_slice(x)), local_slice(y)).backward()
+    finally:
+        HSDPParam.take_unsharded_grad, coll.Comm.reduce_scatter = saved_take, saved_rs
+    return alive_at_issue
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["gloo", "shm"])
+def test_gradients_are_freed_once_packed(run_ranks, shm):
+    """A unit's unsharded gradients are freed once packed into the reduce-scatter input,
+    before its output is allocated: the two are never held together, and the output can
+    take the gradients' memory (param-heavy: peak RSS about 80 MiB lower)."""
+    for alive in run_ranks(2, gradients_freed_before_reduce, shm):
+        assert len(alive) == 6  # 3 units x 2 steps, each with several gradients packed
+        assert alive == [0] * 6
