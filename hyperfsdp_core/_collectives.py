@@ -291,16 +291,12 @@ class StoragePool:
       done the input is parked again (:meth:`parks`) for the next unit's unshard, one
       buffer handed along the backward. A backward prefetch of a unit not yet unsharded
       is issued before the unit after it reshards, so it stops parking: parked memory
-      would idle through a whole gradient computation. Once the backward's last unit to
-      unshard has done so (:meth:`finish`), its reduce-scatter input still takes its
-      reshard's memory, but is freed when done: no unshard is left to take it.
+      would idle through a whole gradient computation.
     """
 
     def __init__(self, max_idle: int = 2) -> None:
         self.max_idle = max_idle
         self.parking = True
-        #: no unshard is left in this pass (see :meth:`finish`)
-        self.final = False
         self._key: int | None = None
         self._free: list[torch.UntypedStorage] = []
 
@@ -311,17 +307,12 @@ class StoragePool:
 
     def resume(self, max_idle: int = 2) -> None:
         self.parking = True
-        self.final = False
         self.max_idle = max_idle
-
-    def finish(self) -> None:
-        """The pass's last unshard has been issued: memory handed back is freed from now on."""
-        self.final = True
 
     def parks(self, storage: torch.UntypedStorage) -> bool:
         """Park ``storage``'s memory if it is of the size class parked now (a reduce-scatter
         input of a unit's unsharded size, done with: the next unit's unshard takes it)."""
-        if not self.parking or self.final or storage.nbytes() != self._key:
+        if not self.parking or storage.nbytes() != self._key:
             return False
         self.park(storage)
         return True
@@ -416,11 +407,8 @@ class Comm:
 
     def recycle(self, tensor: torch.Tensor | None, use: str, custom=None) -> None:
         if self.pools is not None and tensor is not None and custom is None:
-            if use == "reduce":
-                if self.storage_pool.parks(tensor.untyped_storage()):
-                    return  # parked for the next unshard of that size (see ``buffer``)
-                if self.storage_pool.final:
-                    return  # no unshard is left in this pass to take it: freed
+            if use == "reduce" and self.storage_pool.parks(tensor.untyped_storage()):
+                return  # parked for the next unshard of that size (see ``buffer``)
             self.pools[use].put(tensor)
 
     def trim(self) -> None:
@@ -435,12 +423,6 @@ class Comm:
         """This pass issues no further unshard: resharded memory is freed, not parked."""
         if self.storage_pool is not None:
             self.storage_pool.stop()
-
-    def finish_unshards(self) -> None:
-        """This pass has issued its last unshard (gathers in line): a reduce-scatter input
-        still takes its unit's resharded memory, and is freed, not kept, once done."""
-        if self.storage_pool is not None:
-            self.storage_pool.finish()
 
     def resume_parking(self, max_idle: int = 2) -> None:
         """Reshards park their memory again, at most ``max_idle`` buffers at a time."""

@@ -474,10 +474,7 @@ class FSDPState:
             if not self.post_forward_indices:
                 return
             index = self.post_forward_indices.pop()
-            if index == 0:  # the backward's last unit: nothing is left to unshard
-                group = self.group
-                if group is not None and not group.prefetch_overlaps(self.comm):
-                    ctx.comm.finish_unshards()  # its reduce-scatter input is not kept
+            if index == 0:
                 return
             target = ctx.post_forward_order[index - 1]
             if target.group is not None and not target.group.prefetch_overlaps(target.comm):
