@@ -284,8 +284,9 @@ class StoragePool:
     from, not how many are in use, as long as the memory is taken back at once:
 
     - in forward a unit reshards just before the next unit's unshard (its prefetch, or
-      its own pre-forward where gathers run in line), which takes the memory; once the forward has no unshard left to issue,
-      :meth:`stop` frees what is parked and reshards free until :meth:`resume`;
+      its own pre-forward where gathers run in line), which takes the memory; once the
+      forward has no unshard left to issue, :meth:`stop` frees what is parked and
+      reshards free until :meth:`resume`;
     - in backward (at most one buffer) a unit's reshard parks, its reduce-scatter input
       of the same size takes the memory (:meth:`take`), and once the reduce-scatter is
       done the input is parked again (:meth:`parks`) for the next unit's unshard, one

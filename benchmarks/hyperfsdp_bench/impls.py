@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable
 
 import attrs
@@ -113,8 +114,6 @@ def _bf16_compute_copy(model: nn.Module) -> nn.Module:
     before every forward, and each copy's gradient is cast back to fp32 into its
     parameter's ``.grad`` as soon as it is accumulated (the copy keeps none).
     """
-    import copy
-
     compute = copy.deepcopy(model).to(torch.bfloat16)
     pairs = list(zip(compute.parameters(), model.parameters(), strict=True))
 
