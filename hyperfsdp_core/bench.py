@@ -76,7 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_const",
         const="scaling",
         help="the scaling sweep: even at world 2 x layers {4,8,16,32} and 8 layers x world "
-        "{1,2,4} (about 40 minutes; with --charts, the scaling charts)",
+        "{1,2,4} (about 10 minutes on 2 cores; with --charts, the scaling charts)",
     )
     p.set_defaults(preset="quick")
     p.add_argument(
