@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 
 from ._records import CollectiveEvent
+from ._shm_backend import BACKEND as SHM_BACKEND
+from ._shm_backend import ShmProcessGroup
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -444,7 +446,9 @@ class Comm:
             return False
         known = self._is_gloo.get(group)
         if known is None:
-            known = self._is_gloo[group] = dist.get_backend(group) == "gloo"
+            # a ``hyperfsdp_shm`` group is gloo with shared-memory all-gathers and
+            # reduce-scatters (``_shm_backend.py``): the core uses its transport
+            known = self._is_gloo[group] = dist.get_backend(group) in ("gloo", SHM_BACKEND)
         return known
 
     def _place(self, group) -> tuple[int, int]:
@@ -462,7 +466,9 @@ class Comm:
         if group in self._shm:
             return self._shm[group]
         transport = None
-        if self.use_shm and self.uses_all_reduce(group):
+        if isinstance(group, ShmProcessGroup):  # the group's own, shared with its users
+            transport = group.transport if self.use_shm else None
+        elif self.use_shm and self.uses_all_reduce(group):
             rank, world = self._place(group)
             if world > 1:
                 from ._shm import ShmGroup

@@ -39,11 +39,21 @@ class ProcessGroupCache(Generic[V]):
             self._world = weakref.ref(world) if world is not None else None
         return self._data
 
+    @staticmethod
+    def _key(key: Hashable) -> Hashable:
+        # DeviceMeshes compare equal by layout and dimension names; two such meshes can
+        # still hold different process groups (another backend, ``backend_override``)
+        if isinstance(key, DeviceMesh):
+            return (key, tuple(key.get_all_groups()))
+        return key
+
     def get(self, key: Hashable) -> V | None:
-        return self._current().get(key)
+        return self._current().get(self._key(key))
 
     def setdefault(self, key: Hashable, factory: Callable[[], V]) -> V:
-        """The value under ``key``, made by ``factory()`` (maybe collective) if missing."""
+        """The value under ``key``, made by ``factory()`` (maybe collective) if missing.
+        A ``DeviceMesh`` key stands for its layout and its process groups."""
+        key = self._key(key)
         data = self._current()
         value = data.get(key)
         if value is None:

@@ -18,15 +18,26 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-from hyperfsdp_core import DataParallelMeshDims, fully_shard
+from hyperfsdp_core import DataParallelMeshDims, fully_shard, register_shm_backend
 from hyperfsdp_core.testing.counting import CollectiveCounter
 
 TIMEOUT = 180
 
 
-def meshes(shape):
-    """(root mesh, data-parallel mesh, dp rank, dp size) for (dp, tp) or (rep, shard, tp)."""
+#: the root mesh of this rank's last ``rank_parity`` run
+LAST_MESH = {}
+
+
+def meshes(shape, tp_backend=None):
+    """(root mesh, data-parallel mesh, dp rank, dp size) for (dp, tp) or (rep, shard, tp);
+    ``tp_backend``: the tp dimension's c10d backend (default: the default group's, gloo),
+    on a mesh named ("data", "tp"): DTensor takes meshes of equal layout and names for one
+    (its caches keep the first one's groups), so a second backend needs other names."""
     if len(shape) == 2:
+        if tp_backend:
+            names, override = ("data", "tp"), {"tp": tp_backend}
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=names, backend_override=override)
+            return mesh, mesh["data"], mesh.get_local_rank("data"), shape[0]
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
         return mesh, mesh["dp"], mesh.get_local_rank("dp"), shape[0]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
@@ -42,8 +53,9 @@ def shard(model, dp_mesh, fully_shard_fn=fully_shard, **kwargs):
     return model
 
 
-def rank_parity(variant, shape, with_fsdp2, **model_kwargs):
-    mesh, dp, dp_rank, dp_size = meshes(shape)
+def rank_parity(variant, shape, with_fsdp2, tp_backend=None, **model_kwargs):
+    mesh, dp, dp_rank, dp_size = meshes(shape, tp_backend)
+    LAST_MESH["mesh"] = mesh
     torch.manual_seed(0)
     model = Transformer(**model_kwargs)
     ref = copy.deepcopy(model)
@@ -87,6 +99,23 @@ def test_tp_fsdp_parity_and_fsdp2_losses(run_ranks, variant):
         assert placements["layers.0.attn.wo.weight"] == (Shard(0), Shard(1))  # rowwise
         assert placements["layers.0.attn_norm.weight"] == (Shard(0), Replicate())
         assert repr(placements["tok_embeddings.weight"][0]) == strided(2)
+
+
+def rank_parity_shm_tp():
+    """The sequence-parallel run twice: the tp group on gloo, then on ``hyperfsdp_shm``."""
+    gloo = rank_parity("sp", (2, 2), True)
+    shm = rank_parity("sp", (2, 2), True, tp_backend=register_shm_backend())
+    tp_group = LAST_MESH["mesh"].get_group("tp")
+    return gloo[0]["losses"], shm[0]["losses"], type(tp_group).__name__, tp_group.transport.ops
+
+
+def test_tp_on_the_shm_backend_equals_gloo_bit_for_bit(run_ranks):
+    """The tp dimension on ``hyperfsdp_shm``: DTensor's sequence-parallel all-gathers and
+    reduce-scatters go through shared memory; hyperfsdp's and FSDP2's losses are the gloo
+    run's exactly (and the reference's, asserted in train_parity)."""
+    for on_gloo, on_shm, group_type, ops in run_ranks(4, rank_parity_shm_tp, timeout=TIMEOUT):
+        assert on_shm == on_gloo  # [hyperfsdp losses, FSDP2 losses], bit for bit
+        assert group_type == "ShmProcessGroup" and ops > 0
 
 
 def test_hsdp_tp_parity_without_all_gather(run_ranks):
