@@ -19,6 +19,8 @@ CONFIGS = {
     "no-reshard": "reshard_after_forward=False, fp32",
     "hsdp": "HSDP on a (2, world/2) (replicate, shard) mesh, fp32 (hyperfsdp needs hyperfsdp-hsdp)",
     "tp": "TP + FSDP: (world/2, 2) (dp, tp) mesh, Colwise/Rowwise + sequence parallel, FSDP over dp, fp32 (hyperfsdp needs hyperfsdp-tp)",
+    "tp-shm": "tp with the tp mesh dimension on the hyperfsdp_shm c10d backend (shared-memory "
+    "all-gathers and reduce-scatters; register_shm_backend) for both FSDPs",
     "param-heavy": "dim 1024, 16 heads, MLP hidden 2816, batch 1 x 64 tokens: parameters, "
     "gradients and optimizer state outweigh activations (~120M parameters at 8 layers), fp32",
     "offload": "CPUOffloadPolicy() for both FSDPs, fp32; also hyperfsdp and FSDP2 without "
@@ -27,6 +29,8 @@ CONFIGS = {
 }
 #: host overhead: no DDP (the floor is the reference); any variant of the others
 HOST_OVERHEAD_BASES = ("hyperfsdp", "fsdp2", "floor")
+#: the tensor-parallel configurations (the tp group on gloo, and on hyperfsdp_shm)
+TP_CONFIGS = ("tp", "tp-shm")
 #: tensor parallelism: the two FSDPs only (DDP and the floor have no TP counterpart here)
 TP_BASES = ("hyperfsdp", "fsdp2")
 #: the offload configuration also runs these, whenever their main implementation runs
@@ -80,7 +84,8 @@ class Case:
             precision="bf16" if self.config == "bf16" else "fp32",
             reshard_after_forward=False if self.config == "no-reshard" else None,
             hsdp=(2, self.world // 2) if self.config == "hsdp" else None,
-            tp=2 if self.config == "tp" else None,
+            tp=2 if self.config in TP_CONFIGS else None,
+            tp_backend="hyperfsdp_shm" if self.config == "tp-shm" else None,
             offload=self.config == "offload",
         )
 
@@ -99,7 +104,7 @@ class Case:
                 continue
             if self.is_host_overhead and base not in HOST_OVERHEAD_BASES:
                 continue
-            if self.config == "tp" and base not in TP_BASES:
+            if self.config in TP_CONFIGS and base not in TP_BASES:
                 continue
             out.append(impl)
         return tuple(out)
@@ -113,6 +118,7 @@ QUICK = (
     Case("even", 4, 8),
     Case("hsdp", 4, 8),
     Case("tp", 4, 8),
+    Case("tp-shm", 4, 8),
     Case("even", 2, 4),
     Case("even", 2, 16),
     Case("param-heavy", 2, 8),
@@ -125,7 +131,7 @@ FULL = (
         Case(c, w, n)
         for c, w, n in itertools.product(MODEL_CONFIGS, (2, 4), (4, 8, 16))
         # HSDP needs replicate and shard groups of 2+; TP + FSDP needs dp and tp of 2+
-        if not (c in ("hsdp", "tp") and w < 4)
+        if not (c in ("hsdp", *TP_CONFIGS) and w < 4)
         # param-heavy: 120M parameters at 8 layers; one depth, world 2 and 4
         and not (c == "param-heavy" and n != 8)
     ),

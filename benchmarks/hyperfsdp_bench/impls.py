@@ -86,6 +86,8 @@ class CaseSpec:
     #: tensor-parallel degree: a (world / tp, tp) ("dp", "tp") mesh, the model parallelized
     #: on "tp" (Colwise/Rowwise with sequence parallelism) before FSDP over "dp"
     tp: int | None = None
+    #: the tp mesh dimension's c10d backend (``backend_override``); None: the default (gloo)
+    tp_backend: str | None = None
     offload: bool = False  # CPUOffloadPolicy() for both FSDPs (see OFFLOAD_VARIANTS)
     seed: int = 1234
     lr: float = 1e-3
@@ -151,7 +153,15 @@ def _shard(model: nn.Module, fully_shard, mp_policy_cls, spec: CaseSpec, offload
         from torch.distributed.device_mesh import init_device_mesh
 
         shape = (dist.get_world_size() // spec.tp, spec.tp)
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+        override = None
+        if spec.tp_backend is not None:
+            from hyperfsdp_core import register_shm_backend
+
+            override = {"tp": spec.tp_backend}
+            register_shm_backend()
+        mesh = init_device_mesh(
+            "cpu", shape, mesh_dim_names=("dp", "tp"), backend_override=override
+        )
         parallelize(model, mesh["tp"], "sp")
         kwargs["mesh"] = mesh["dp"]
     for layer in model.layers:

@@ -2,7 +2,17 @@
 builds its command line from these before anything heavier of the suite is imported."""
 
 #: the model configurations, and the host-overhead one (tiny blocks, its own report)
-MODEL_CONFIGS = ("even", "uneven", "bf16", "no-reshard", "hsdp", "tp", "param-heavy", "offload")
+MODEL_CONFIGS = (
+    "even",
+    "uneven",
+    "bf16",
+    "no-reshard",
+    "hsdp",
+    "tp",
+    "tp-shm",
+    "param-heavy",
+    "offload",
+)
 HOST_OVERHEAD = "host-overhead"
 #: the main implementations
 IMPLS = ("hyperfsdp", "fsdp2", "ddp", "floor")

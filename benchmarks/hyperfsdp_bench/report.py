@@ -155,6 +155,7 @@ def detail_table(results: dict, markdown: bool = False, notes: list[str] | None 
         "optim s",
         "CPU s/step",
         "CPU xFSDP2",
+        "faults/step",
         "peak RSS MiB",
         "peak heap MiB",
         "live MiB",
@@ -169,7 +170,7 @@ def detail_table(results: dict, markdown: bool = False, notes: list[str] | None 
             continue
         for impl, r in res["impls"].items():
             if r.get("status") != "ok":
-                rows.append([res["case"], impl, _note(notes, res, impl, r)] + [""] * 13)
+                rows.append([res["case"], impl, _note(notes, res, impl, r)] + [""] * 14)
                 continue
             peak = peak_over_ranks(r, "peak_rss_bytes")
             heap = peak_over_ranks(r, "peak_heap_bytes")
@@ -185,6 +186,7 @@ def detail_table(results: dict, markdown: bool = False, notes: list[str] | None 
                     _f(r.get("optim_median_s")),
                     _f(r["cpu_s_per_step"]),
                     _ratio(r.get("cpu_ratio_vs_fsdp2")),
+                    _f(r.get("page_faults_per_step"), ".0f"),
                     _f(peak / MiB if peak else None, ".0f"),
                     _f(heap / MiB if heap else None, ".0f"),
                     _f(max(r["live_bytes"]) / MiB, ".1f"),
@@ -193,7 +195,7 @@ def detail_table(results: dict, markdown: bool = False, notes: list[str] | None 
                     _f(r["bytes_per_step"] / MiB, ".1f"),
                 ]
             )
-    return _table(headers, rows, markdown, right=set(range(2, 16)))
+    return _table(headers, rows, markdown, right=set(range(2, 17)))
 
 
 def host_overhead_table(

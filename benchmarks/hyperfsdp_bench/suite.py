@@ -97,6 +97,13 @@ def _summarize(runs: list[list[dict]], setup: list[dict], steps: int) -> dict:
         "optim_median_s": statistics.median(optim) if optim else None,
         "cpu_s_per_step": statistics.median(cpu),
         "cpu_s_per_step_all_ranks": statistics.median(cpu_total),
+        # minor page faults per step per rank (mean over ranks and the timed steps)
+        "page_faults_per_step": (
+            statistics.fmean(r["page_faults"] for per_rank in runs for r in per_rank)
+            / max(1, len(runs[0][0]["wall"]))
+            if "page_faults" in runs[0][0]
+            else None
+        ),
         "wall_s": wall,
         "cpu_s": cpu,
         "peak_rss_bytes": [r["peak_rss"] for r in last],

@@ -10,6 +10,7 @@ installed before anything binds ``torch.distributed`` functions.
 from __future__ import annotations
 
 import os
+import resource
 import time
 import traceback
 from datetime import timedelta
@@ -135,6 +136,7 @@ class Runner:
 
         calls0, bytes0 = self.counter.snapshot()
         comm_stats0 = self._comm_stats()
+        faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         wall, cpu, losses, fwd_bwd, optim = [], [], [], [], []
         perf, proc = time.perf_counter, time.process_time
         for _ in range(steps):
@@ -146,9 +148,12 @@ class Runner:
             cpu.append(c1 - c0)
             fwd_bwd.append(t_opt - t0)
             optim.append(t1 - t_opt)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
         calls1, bytes1 = self.counter.snapshot()
         comm_stats1 = self._comm_stats()
         out = {
+            # minor page faults: memory the allocator took fresh from the kernel and touched
+            "page_faults": faults,
             "wall": wall,
             "cpu": cpu,
             "fwd_bwd": fwd_bwd,  # zero_grad + forward + backward
