@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 4 examples/train_llama.py --steps 20
     torchrun --nproc-per-node 4 examples/train_llama.py --hsdp 2 --bf16 --compile
     torchrun --nproc-per-node 4 examples/train_llama.py --tp 2 --ckpt /tmp/ckpt --every 5
+    torchrun --nproc-per-node 4 examples/train_llama.py --tp 2 --shm  # TP over shared memory
     torchrun --nproc-per-node 2 examples/train_llama.py --ckpt /tmp/ckpt --steps 30  # resumes
 
 Every block is a unit, then the root (embedding, final norm, head), as torchtitan does.
@@ -26,7 +27,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from hyperfsdp_core import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from hyperfsdp_core import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_shm_backend,
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,6 +60,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ckpt", help="checkpoint directory (resumes from the newest)")
     p.add_argument("--every", type=int, default=10, help="checkpoint every N steps")
     p.add_argument("--loss-file", help="rank 0 appends 'step loss' lines here")
+    p.add_argument(
+        "--shm",
+        action="store_true",
+        help="CPU: every process group on the hyperfsdp_shm backend (all-gathers and "
+        "reduce-scatters through shared memory, the tensor-parallel ones included)",
+    )
     return p.parse_args(argv)
 
 
@@ -91,7 +104,7 @@ def build(args, device):
 def main(argv=None) -> int:
     args = parse_args(argv)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
+    dist.init_process_group(register_shm_backend() if args.shm else backend)
     world, rank = dist.get_world_size(), dist.get_rank()
     device = (
         torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))

@@ -43,3 +43,13 @@ def test_train_llama_learns_and_resumes_from_its_checkpoint(tmp_path):
     # resumed from step 3: model, optimizer, scheduler restored, the same curve
     for (step, loss), (_, expected) in zip(resumed[3:], whole[3:]):
         assert abs(loss - expected) <= 1e-6 * abs(expected), step
+
+
+def test_train_llama_on_the_shm_backend_gives_the_gloo_losses(tmp_path):
+    # every group on hyperfsdp_shm (the tensor-parallel one included): the same losses
+    (tmp_path / "gloo").mkdir()
+    (tmp_path / "shm").mkdir()
+    args = ("--steps", "3", "--tp", "2")
+    on_gloo = torchrun(tmp_path / "gloo", *args)
+    on_shm = torchrun(tmp_path / "shm", *args, "--shm")
+    assert on_shm == on_gloo
