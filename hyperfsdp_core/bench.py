@@ -61,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         dest="preset",
         action="store_const",
         const="quick",
-        help="the default: main cases, few steps (~10 minutes on 2 cores)",
+        help="the default: main cases, few steps (~15 minutes on 2 cores)",
     )
     preset.add_argument(
         "--full",
