@@ -192,3 +192,17 @@ def test_register_shm_backend_is_idempotent():
 
     assert register_shm_backend() == register_shm_backend() == "hyperfsdp_shm"
     assert "hyperfsdp_shm" in dist.Backend.backend_list
+
+
+def waits_as_long_as_the_group():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    group = dist.new_group([0, 1], backend=register_shm_backend(), timeout=timedelta(seconds=7))
+    return group.transport.timeout
+
+
+def test_transport_waits_as_long_as_its_group(run_ranks):
+    # a peer that never joins fails the collective after the group's timeout (as gloo would)
+    assert run_ranks(2, waits_as_long_as_the_group) == [7.0, 7.0]
