@@ -39,12 +39,15 @@ class ProcessGroupCache(Generic[V]):
             self._world = weakref.ref(world) if world is not None else None
         return self._data
 
-    @staticmethod
-    def _key(key: Hashable) -> Hashable:
+    @classmethod
+    def _key(cls, key: Hashable) -> Hashable:
         # DeviceMeshes compare equal by layout and dimension names; two such meshes can
-        # still hold different process groups (another backend, ``backend_override``)
+        # still hold different process groups (another backend, ``backend_override``),
+        # so a mesh stands for itself and its groups, also inside a tuple key
         if isinstance(key, DeviceMesh):
             return (key, tuple(key.get_all_groups()))
+        if isinstance(key, tuple):
+            return tuple(cls._key(k) for k in key)
         return key
 
     def get(self, key: Hashable) -> V | None:
@@ -52,7 +55,7 @@ class ProcessGroupCache(Generic[V]):
 
     def setdefault(self, key: Hashable, factory: Callable[[], V]) -> V:
         """The value under ``key``, made by ``factory()`` (maybe collective) if missing.
-        A ``DeviceMesh`` key stands for its layout and its process groups."""
+        A ``DeviceMesh`` in the key stands for its layout and its process groups."""
         key = self._key(key)
         data = self._current()
         value = data.get(key)

@@ -130,13 +130,26 @@ class ShmProcessGroup(PythonProcessGroup):
         transport = self._transport
         move = transport.all_gather if gather else transport.reduce_scatter  # type: ignore[union-attr]
         for out, inp in pairs:
-            flat = (
-                out.view(-1) if out.is_contiguous() else torch.empty(out.numel(), dtype=out.dtype)
-            )
-            move(flat, inp.contiguous().view(-1))
-            if flat.data_ptr() != out.data_ptr():
-                out.copy_(flat.view(out.shape))
+            inp = inp.contiguous().view(-1)
+            if out.is_contiguous() and not self._aliased(out, inp, gather):
+                move(out.view(-1), inp)
+                continue
+            flat = torch.empty(out.numel(), dtype=out.dtype)
+            move(flat, inp)
+            out.copy_(flat.view(out.shape))
         return _Done(list(outs))
+
+    def _aliased(self, out: torch.Tensor, inp: torch.Tensor, gather: bool) -> bool:
+        """Whether ``inp`` shares ``out``'s memory in a way the transport cannot take in
+        place: a reduce-scatter writes partial sums into ``out`` while it still reads this
+        rank's part of ``inp``; an all-gather takes only an input that is exactly this
+        rank's row of the output."""
+        if out.untyped_storage().data_ptr() != inp.untyped_storage().data_ptr():
+            return False
+        if not gather:
+            return True
+        row = out.view(self.size(), -1)[self.rank()]
+        return not (row.data_ptr() == inp.data_ptr() and row.numel() == inp.numel())
 
     def all_gather_single(self, out: torch.Tensor, inp: torch.Tensor, opts=None) -> dist.Work:
         return self._run([out], [inp], opts, gather=True)

@@ -61,13 +61,17 @@ def collectives_equal_gloo():
                 in_place = torch.zeros(world * n, dtype=dtype)
                 in_place.view(world, n)[rank] = x[:n]
                 dist.all_gather_single(in_place, in_place.view(world, n)[rank], group=group)
+                # a reduce-scatter into this rank's own part of its input
+                rs_in_place = x.clone()
+                rs_own = rs_in_place.view(world, n)[rank]
+                dist.reduce_scatter_single(rs_own, rs_in_place, group=group)
                 # the functional collectives (DTensor's), on dim 0 and dim 1, and coalesced
                 rows = x.view(world, n)
                 f_rs0 = funcol.wait_tensor(funcol.reduce_scatter_single(rows, "sum", 0, group))
                 f_ag1 = funcol.wait_tensor(funcol.all_gather_single(rows[:, :1], 1, group))
                 coalesced = funcol.all_gather_single_coalesced([x[:n], x[n : 2 * n]], group)
                 reduced = funcol.reduce_scatter_single_coalesced([x, x * 2], "sum", [0, 0], group)
-                outs[name] = [rs, ag, ag_t, in_place, f_rs0, f_ag1]
+                outs[name] = [rs, ag, ag_t, in_place, rs_own.clone(), f_rs0, f_ag1]
                 outs[name] += [funcol.wait_tensor(t) for t in (*coalesced, *reduced)]
             for a, b in zip(outs["gloo"], outs["shm"], strict=True):
                 assert a.dtype == b.dtype and a.shape == b.shape
@@ -80,10 +84,10 @@ def collectives_equal_gloo():
 def test_collectives_equal_gloo_bit_for_bit_through_shared_memory(run_ranks, world):
     for compared, made, ops, ring_order in run_ranks(world, collectives_equal_gloo):
         assert made and ring_order
-        assert compared == 4 * 4 * 10
+        assert compared == 4 * 4 * 11
         # every all-gather and reduce-scatter of the shm group, and nothing else, went
-        # through the transport (4 dtypes x 4 sizes x 10 tensors in 9 collectives)
-        assert ops == 4 * 4 * 10
+        # through the transport (4 dtypes x 4 sizes x 11 tensors in 10 collectives)
+        assert ops == 4 * 4 * 11
 
 
 def others_run_on_gloo():
@@ -157,6 +161,7 @@ def fsdp_over_shm_mesh():
         "cpu", (dist.get_world_size(),), backend_override={0: register_shm_backend()}
     )
     group = mesh.get_group()
+    before = group.transport.ops  # made now (collective; over four ranks it runs some)
     state = {}
 
     def shard(model):
@@ -172,7 +177,7 @@ def fsdp_over_shm_mesh():
         steps=3,
     )
     comm = state["root"]._hyperfsdp_state.ctx.comm
-    return out["losses"], comm.shm(group) is group.transport, group.transport.ops
+    return out["losses"], comm.shm(group) is group.transport, group.transport.ops - before
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -206,3 +211,33 @@ def waits_as_long_as_the_group():
 def test_transport_waits_as_long_as_its_group(run_ranks):
     # a peer that never joins fails the collective after the group's timeout (as gloo would)
     assert run_ranks(2, waits_as_long_as_the_group) == [7.0, 7.0]
+
+
+def caches_tell_equal_meshes_apart():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hyperfsdp_core.plugin import ProcessGroupCache
+
+    shape = (dist.get_world_size(),)
+    on_gloo = init_device_mesh("cpu", shape, mesh_dim_names=("dp",))
+    on_shm = init_device_mesh(
+        "cpu", shape, mesh_dim_names=("dp",), backend_override={"dp": register_shm_backend()}
+    )
+    cache: ProcessGroupCache = ProcessGroupCache()
+    made = [
+        cache.setdefault(on_gloo, lambda: "gloo"),
+        cache.setdefault(on_shm, lambda: "shm"),
+        cache.setdefault((on_gloo, "x"), lambda: "gloo, x"),
+        cache.setdefault((on_shm, "x"), lambda: "shm, x"),
+        cache.setdefault(on_shm, lambda: "again"),
+    ]
+    return on_gloo == on_shm, made
+
+
+def test_caches_keep_equal_meshes_with_other_groups_apart(run_ranks):
+    # DeviceMeshes of one layout and names compare equal whatever their groups; the caches
+    # plugins use (ProcessGroupCache) key on the groups too, also inside tuple keys
+    for equal, made in run_ranks(2, caches_tell_equal_meshes_apart):
+        assert equal
+        assert made == ["gloo", "shm", "gloo, x", "shm, x", "shm"]
