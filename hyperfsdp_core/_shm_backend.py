@@ -88,36 +88,29 @@ class ShmProcessGroup(PythonProcessGroup):
         return self._transport  # type: ignore[return-value]
 
     # -- all-gathers and reduce-scatters ------------------------------------------------
-    def _gathers(self, out: torch.Tensor, inp: torch.Tensor, opts) -> bool:
-        """Whether the transport takes this all-gather (else gloo runs it, and raises
-        gloo's error on a mismatch)."""
-        return (
-            out.device.type == "cpu"
-            and inp.device.type == "cpu"
+    def _takes(self, out: torch.Tensor, inp: torch.Tensor, opts, gather: bool) -> bool:
+        """Whether the transport takes this all-gather (``gather``) or reduce-scatter: a
+        sum, which it adds in gloo's order. Otherwise gloo runs it (and raises gloo's
+        error on a mismatch)."""
+        whole, part = (out, inp) if gather else (inp, out)
+        if not (
+            out.device.type == inp.device.type == "cpu"
             and out.dtype == inp.dtype
-            and out.numel() == inp.numel() * self.size()
-            and self.transport is not None
-        )
-
-    def _reduces(self, out: torch.Tensor, inp: torch.Tensor, opts) -> bool:
-        """Whether the transport takes this reduce-scatter: a sum it adds in gloo's order."""
-        return (
-            (opts is None or opts.reduceOp == dist.ReduceOp.SUM)
-            and out.device.type == "cpu"
-            and inp.device.type == "cpu"
-            and out.dtype == inp.dtype
-            and out.dtype != torch.bool
-            and inp.numel() == out.numel() * self.size()
-            and self.transport is not None
-            and self._transport.ring_order  # type: ignore[union-attr]
-        )
+            and whole.numel() == part.numel() * self.size()
+        ):
+            return False
+        if not gather and (
+            (opts is not None and opts.reduceOp != dist.ReduceOp.SUM) or out.dtype == torch.bool
+        ):
+            return False
+        transport = self.transport
+        return transport is not None and (gather or transport.ring_order)
 
     def _run(self, outs, inps, opts, gather: bool) -> dist.Work:
         """All-gather (``gather``) or sum-reduce-scatter each ``inps[i]`` into ``outs[i]``:
         through the transport where it takes every pair, else through gloo."""
         pairs = list(zip(outs, inps, strict=True))
-        takes = self._gathers if gather else self._reduces
-        if not all(takes(o, i, opts) for o, i in pairs):
+        if not all(self._takes(o, i, opts, gather) for o, i in pairs):
             if gather:
                 run, opts = self.backend._allgather_base, opts or dist.AllgatherOptions()
             else:
