@@ -6,11 +6,13 @@ On CPU the ranks of one host all-gather and reduce-scatter through shared memory
 (``_shm.py``: done when issued), and otherwise the gloo worker threads communicate
 while the training thread computes; on accelerators collectives run on dedicated
 streams ordered by events (no ``record_stream``: buffers stay referenced by their
-handle until waited).
+handle until waited, and memory an all-gather writes into is allocated under its stream
+and released with a wait; see "Streams on accelerators" in docs/design.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from functools import partial
@@ -195,6 +197,10 @@ class CommStats:
 
     def snapshot(self) -> dict[str, int]:
         return attrs.asdict(self)
+
+
+#: what :meth:`Comm.gather_allocation` returns on CPU (reusable, does nothing)
+_NO_STREAM = contextlib.nullcontext()
 
 
 class Handle:
@@ -387,6 +393,14 @@ class Comm:
         self.use_shm = self.gloo_all_reduce and SHM
         self._shm: dict = {}  # group -> ShmGroup, or None where gloo is kept
         self.all_gather_stream = self.reduce_stream = None
+        #: accelerators: true from the root's pre-forward (once the all-gather stream waits
+        #: for the optimizer step: ``set_post_optim_event``'s event, else the whole current
+        #: stream) to the end of that forward, and during the backward. Meanwhile an
+        #: all-gather into memory fresh from the all-gather stream does not wait for the
+        #: current stream: what it reads (the sharded parameters) is ordered by that wait,
+        #: what it writes by ``release_gathered``. See "Streams on accelerators" in
+        #: docs/design.md.
+        self.gathers_ordered = False
         if not self.is_cpu:
             self._module = torch.get_device_module(device.type)
             self.all_gather_stream = self._module.Stream(device=device)
@@ -399,16 +413,38 @@ class Comm:
         ``custom.allocate`` decides where it lives if given (FSDP2-style custom comms).
         """
         if custom is not None:
-            return custom.allocate((numel,), dtype=dtype, device=self.device)
+            with self.gather_allocation() if use == "gather" else _NO_STREAM:
+                return custom.allocate((numel,), dtype=dtype, device=self.device)
         if self.pools is not None:
             if use == "reduce":  # the memory a unit's reshard just parked, if of this size
                 storage = self.storage_pool.take(numel * dtype.itemsize)
                 if storage is not None:
                     return torch.empty(0, dtype=dtype).set_(storage, 0, (numel,), (1,))
             return self.pools[use].get(numel, dtype)
-        return torch.empty(numel, dtype=dtype, device=self.device)
+        with self.gather_allocation() if use == "gather" else _NO_STREAM:
+            return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def gather_allocation(self):
+        """Where memory that an all-gather writes into is allocated: on accelerators under
+        the all-gather stream, so the caching allocator hands a freed block only to later
+        work of that stream (ordered by :meth:`release_gathered`); nothing to do on CPU."""
+        if self.all_gather_stream is None:
+            return _NO_STREAM
+        return self._module.stream(self.all_gather_stream)
+
+    def release_gathered(self) -> None:
+        """Memory allocated by :meth:`gather_allocation` is about to be freed: the
+        all-gather stream's later work (which may reuse it) waits for everything the
+        current stream has queued so far (which may still read it). Nothing on CPU."""
+        if self.all_gather_stream is not None:
+            self.all_gather_stream.wait_stream(self._module.current_stream())
 
     def recycle(self, tensor: torch.Tensor | None, use: str, custom=None) -> None:
+        """``tensor`` (from :meth:`buffer`) is no longer used by the caller's stream: pooled
+        on CPU; on accelerators a gather buffer's stream is ordered for its reuse (the
+        caller drops the tensor after this)."""
+        if use == "gather" and self.all_gather_stream is not None:
+            self.release_gathered()
         if self.pools is not None and tensor is not None and custom is None:
             if use == "reduce" and self.storage_pool.parks(tensor.untyped_storage()):
                 return  # parked for the next unshard of that size (see ``buffer``)
@@ -505,8 +541,19 @@ class Comm:
     # ``unit`` names the unit for observers; ``prepare`` (all-gather only) runs on the
     # communication stream right before the collective (copy-in of the input).
     def all_gather(
-        self, out: torch.Tensor, inp: torch.Tensor, group, custom=None, *, unit=None, prepare=None
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        group,
+        custom=None,
+        *,
+        unit=None,
+        prepare=None,
+        ordered: bool = False,
     ) -> Handle:
+        """``ordered`` (accelerators): ``inp`` needs no ordering beyond the root's
+        (:attr:`gathers_ordered`) and ``out`` is fresh from :meth:`gather_allocation`, so
+        the all-gather does not wait for the current stream."""
         self.stats.all_gathers += 1
         self.stats.all_gather_bytes += out.numel() * out.element_size()
         if self.observers:
@@ -517,7 +564,8 @@ class Comm:
             call = lambda: _all_gather_shm(out, inp, group=group, transport=shm)  # noqa: E731
         else:
             call = lambda: _all_gather(out, inp, group=group, async_op=self.is_cpu)  # noqa: E731
-        return self._issue(self.all_gather_stream, call, (out, inp), prepare)
+        wait = not (ordered and self.gathers_ordered)
+        return self._issue(self.all_gather_stream, call, (out, inp), prepare, wait)
 
     def all_gather_in_place(self, buffer: torch.Tensor, group, *, unit=None, prepare) -> Handle:
         """All-gather into ``buffer`` in its own layout (``uses_all_reduce(group)`` only):
@@ -610,15 +658,17 @@ class Comm:
         for observer in self.observers:
             observer(event)
 
-    def _issue(self, stream, call, keepalive, prepare=None) -> Handle:
+    def _issue(self, stream, call, keepalive, prepare=None, wait: bool = True) -> Handle:
         """Run one collective: async on CPU (a work handle, or none if it finished in
-        place), on ``stream`` ordered after the current stream on accelerators."""
+        place), on ``stream`` on accelerators, ordered after the work queued on the
+        current stream unless ``wait`` is false."""
         if self.is_cpu:
             if prepare is not None:
                 prepare()
             work = call()
             return Handle(work, keepalive=keepalive) if work is not None else Handle()
-        stream.wait_stream(self._module.current_stream())
+        if wait:
+            stream.wait_stream(self._module.current_stream())
         with self._module.stream(stream):
             if prepare is not None:
                 prepare()

@@ -121,10 +121,14 @@ class RootContext:
             self.next_in_forward = {a: b for a, b in itertools.pairwise(order) if a is not b}
             self.forward_order = []
         self.iter_forward_root = None
+        self.comm.gathers_ordered = False  # until the backward (or the next forward)
 
     # -- backward -------------------------------------------------------------------------------
     def begin_backward(self) -> None:
         self.in_backward = True
+        # the sharded parameters are as the forward read them (ordered after the optimizer
+        # step by then): backward all-gathers into fresh memory wait for nothing else
+        self.comm.gathers_ordered = True
         if not self.callback_queued:
             self.callback_queued = True
             queue_end_of_backward_callback(self.root.root_post_backward_hook)
@@ -202,6 +206,7 @@ class RootContext:
         # a standalone call of a list unit's module (a chunked-loss head) claims the
         # forward root without finishing it; the next forward starts fresh
         self.iter_forward_root = None
+        self.comm.gathers_ordered = False  # an optimizer step may come next
         if is_last_backward:
             self.post_forward_order.clear()
             for state in self.states:
@@ -222,6 +227,7 @@ class RootContext:
                 reset()
         self.pending_reductions = []
         self.iter_forward_root = None
+        self.comm.gathers_ordered = False
         self.in_backward = False
         self.callback_queued = False
         self.creates_graph = False

@@ -103,6 +103,14 @@ class Bucket:
         # where resharding parks the unsharded buffer's memory (the comm's, CPU), once an
         # unshard has run; None: freed
         self._storage_pool = None
+        # accelerators: the unsharded buffer's memory came from the all-gather stream
+        # (an all-gather writes into it): its comm's ``release_gathered``, called when it
+        # is freed
+        self._release_gathered: Callable[[], None] | None = None
+        # accelerators: the comm of the last unshard, and an event recorded on the current
+        # stream once the post-forward shard is written (its all-gather waits for it)
+        self._comm: Comm | None = None
+        self._pf_ready = None
 
     @staticmethod
     def key(p: HSDPParam) -> tuple:
@@ -217,15 +225,26 @@ class Bucket:
         if owner is not StorageOwner.SHARDED_STORAGE:
             free(base)
 
-    def _alloc_unsharded(self) -> None:
-        """Give the unsharded buffer its memory: parked memory of its size if any is idle."""
+    def _alloc_unsharded(self, comm: Comm | None = None) -> bool:
+        """Give the unsharded buffer its memory: parked memory of its size if any is idle.
+
+        ``comm``: an all-gather will write into it, so on accelerators the memory comes
+        from the all-gather stream (see ``Comm.gather_allocation``). Returns whether it
+        was allocated now (False: it already had its memory).
+        """
         storage = self.unsharded_flat.untyped_storage()
         nbytes = self.unsharded_nbytes
         if storage.size() == nbytes:
-            return
+            return False
         pool = self._storage_pool
         if pool is None or storage.size() != 0 or not pool.unpark(storage, nbytes):
-            storage.resize_(nbytes)
+            if comm is not None and not comm.is_cpu:
+                with comm.gather_allocation():
+                    storage.resize_(nbytes)
+                self._release_gathered = comm.release_gathered
+            else:
+                storage.resize_(nbytes)
+        return True
 
     def _free_unsharded(self) -> None:
         """Reshard's release of the unsharded buffer: parked for the next unshard (CPU)."""
@@ -235,6 +254,9 @@ class Bucket:
         storage = flat.untyped_storage()
         if storage.size() == 0:
             return
+        release, self._release_gathered = self._release_gathered, None
+        if release is not None:
+            release()
         if self._storage_pool is not None:
             self._storage_pool.park(storage)
         else:
@@ -296,6 +318,7 @@ class Bucket:
         """Issue the all-gather (or the local cast); idempotent while unsharded or in flight."""
         # the next reshard parks the memory with this comm (the root's, once it exists)
         self._storage_pool = comm.storage_pool
+        self._comm = comm
         if self.state is ShardedState.UNSHARDED or self.pending is not None:
             return
         self.init_unsharded()
@@ -312,15 +335,25 @@ class Bucket:
             self._post_forward_shard = None
             pf = self._pf
             assert pf is not None
+            ready, self._pf_ready = self._pf_ready, None
+            if ready is not None:  # written on the current stream by reshard_post_forward
+                comm.all_gather_stream.wait_event(ready)
             if pf.direct:  # one dim-0 member laid out alike: straight into the buffer
-                self._alloc_unsharded()
+                fresh = self._alloc_unsharded(comm)
                 out = flat[: pf.info.shard_size * pf.total]
             else:
                 out = self._staging = comm.buffer(
                     pf.info.shard_size * pf.total, self.param_dtype, "gather"
                 )
                 self._staging_pf = pf
-            self.pending = comm.all_gather(out, kept, pf.info.shard_group, unit=self.unit_fqn)
+                fresh = True
+            self.pending = comm.all_gather(
+                out,
+                kept,
+                pf.info.shard_group,
+                unit=self.unit_fqn,
+                ordered=fresh and ready is not None,
+            )
             return
         custom = self.custom_all_gather
         group = self.mesh_info.shard_group
@@ -347,13 +380,16 @@ class Bucket:
                     flat, group, unit=self.unit_fqn, prepare=self._fill_for_gather
                 )
             return
+        # the all-gather may skip waiting for the current stream in an ordered forward
+        # (``Comm.gathers_ordered``) if it writes only into memory fresh from its stream
         if self.storage_owner is StorageOwner.ALL_GATHER_OUTPUT and custom is None:
-            self._alloc_unsharded()
+            fresh = self._alloc_unsharded(comm)
             out = flat
         else:  # the unsharded buffer is allocated at copy-out, not while the gather runs
             out = self._staging = comm.buffer(
                 self.world * self.total, self.param_dtype, "gather", custom
             )
+            fresh = True
         inp, prepare = self.sharded_flat, None
         if self.needs_copy_in:  # cast/copy straight into this rank's slot: in-place all-gather
             rank = self.mesh_info.shard_rank
@@ -361,7 +397,13 @@ class Bucket:
             prepare = partial(self.fill_input or _copy_in, inp, slot)
             inp = slot
         self.pending = comm.all_gather(
-            out, inp, self.mesh_info.shard_group, custom, unit=self.unit_fqn, prepare=prepare
+            out,
+            inp,
+            self.mesh_info.shard_group,
+            custom,
+            unit=self.unit_fqn,
+            prepare=prepare,
+            ordered=fresh,
         )
 
     def finish_unshard(self, comm: Comm) -> None:
@@ -441,7 +483,10 @@ class Bucket:
                 pf.flat[seg.offset : seg.offset + lay.actual_numel].view(lay.actual_shape).copy_(
                     src
                 )
+        comm = self._comm
+        ready = None if comm is None or comm.is_cpu else comm.current_stream().record_event()
         self.reshard()
+        self._pf_ready = ready
         for p, param in zip(self.params, pf.params):
             p.to_post_forward(param)
         self._post_forward_registered = True
@@ -450,6 +495,7 @@ class Bucket:
     def reshard(self) -> None:
         if self._post_forward_shard is not None:  # held, never gathered from
             self._post_forward_shard = None
+            self._pf_ready = None
             free(self._pf.flat)
         if self.pending is not None:  # an unshard nobody waited for (e.g. a prefetch)
             self.pending.abandon()

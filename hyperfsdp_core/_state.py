@@ -318,11 +318,14 @@ class FSDPState:
         if comm.is_cpu:
             comm.resume_parking()  # this forward's reshards park their memory
             return args, kwargs
-        # The optimizer step must finish before all-gathers read the sharded params.
+        # The optimizer step must finish before all-gathers read the sharded params: with
+        # ``set_post_optim_event``, only the work before that event. This forward's
+        # all-gathers into fresh memory then wait for nothing else (``gathers_ordered``).
         if event is not None:
             comm.all_gather_stream.wait_event(event)
         else:
             comm.all_gather_stream.wait_stream(comm.current_stream())
+        comm.gathers_ordered = True
         # As FSDP2 does: move the forward's tensor inputs to the device.
         device = self.device
 
@@ -393,6 +396,8 @@ class FSDPState:
         if len(self.modules) > 1:
             self.modules_to_run.discard(module)
             if self.modules_to_run:  # the rest of the list unit has not run yet
+                if ctx.iter_forward_root is self:  # claimed by a partial call: unordered
+                    ctx.comm.gathers_ordered = False  # until the next root pre-forward
                 return self._transform_output(output)
         self._complete_forward(ctx)
         output = self._register_pre_backward(output)
