@@ -214,9 +214,27 @@ class Simulator(TorchDispatchMode):
         if owner is not None:
             weakref.finalize(owner, self.freed, span[0])
 
+    def _fresh(self, span: tuple[int, int], stream: SimStream, clock: dict, what: str) -> None:
+        """An operation's output in memory it allocated itself. On CPU the host allocator
+        hands addresses across streams, so what is recorded about earlier memory there is
+        dropped; a side stream's output is a write the other streams must wait for."""
+        tables: tuple[dict, ...] = (self._side_writes, self._side_allocs)
+        if stream is not self.default:
+            tables += (self._default_writes, self._default_allocs)
+        for table in tables:
+            for start in [s for s, e in table.items() if _overlaps(span, (s, e[0]))]:
+                del table[start]
+        if stream is not self.default:
+            self._side_writes[span[0]] = (span[1], stream, clock, what)
+
     def freed(self, start: int) -> None:
-        self._default_allocs.pop(start, None)
+        default = self._default_allocs.pop(start, None)
         entry = self._side_allocs.pop(start, None)
+        end = entry[0] if entry is not None else default[0] if default is not None else None
+        if end is not None:  # what it held is dead: nobody waits for those writes now
+            for table in (self._default_writes, self._side_writes):
+                for s in [s for s, w in table.items() if _overlaps((start, end), (s, w[0]))]:
+                    del table[s]
         if entry is None:
             return
         _, owner, uses = entry
@@ -259,6 +277,19 @@ class Simulator(TorchDispatchMode):
             span = _span(out)
             if span is not None:
                 self.allocated(span, out)
+        elif not name.startswith("c10d."):
+            returns = func._schema.returns
+            if not returns:
+                outs = []
+            elif len(returns) == 1:  # one tensor, or one list of them
+                outs = [(returns[0], t) for t in tree_flatten(out)[0]]
+            else:
+                outs = list(zip(returns, out))
+            for ret, t in outs:
+                if ret.alias_info is None and isinstance(t, torch.Tensor):
+                    span = _span(t)
+                    if span is not None:
+                        self._fresh(span, stream, clock, name)
         for t in written:
             span = _span(t)
             if span is not None:

@@ -323,3 +323,24 @@ def test_partial_sums_are_flushed_when_all_reduce_is_back_on(run_ranks, last_bac
             # all three units at once: one all-reduce per process group
             assert counts == [0, 0, 0, 2]
             assert len(pending) == len(set(pending)) > 10
+
+
+def parity_on_a_simulated_accelerator(shape):
+    """``parity`` with the accelerator code path: streams, events, the plugin's
+    all-reduces through ``root.comm`` (see ``hyperfsdp_core.testing.streams``)."""
+    from hyperfsdp_core.testing.streams import simulated_accelerator
+
+    with simulated_accelerator() as sim:
+        _, calls, _ = parity(shape)
+        streams = sorted({(name, stream) for _, name, stream, _ in sim.collectives})
+    return sim.violations, calls, streams
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (4,)])
+def test_hsdp_streams_are_ordered_on_a_simulated_accelerator(run_ranks, shape):
+    for violations, calls, streams in run_ranks(4, parity_on_a_simulated_accelerator, shape):
+        assert violations == []
+        assert ("c10d._allgather_base_.default", "all_gather") in streams
+        if len(shape) == 2:  # the replicate all-reduce runs on the reduce stream
+            assert ("c10d.allreduce_.default", "reduce") in streams
+            assert [n for k, n, _ in calls if k == "ar"] == [2] * 3

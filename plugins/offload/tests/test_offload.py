@@ -567,3 +567,30 @@ def rank_without_the_plugin():
 def test_cpu_offload_policy_without_the_plugin_names_the_extra(run_ranks):
     for message, untouched in run_ranks(2, rank_without_the_plugin, timeout=TIMEOUT):
         assert "pip install hyperfsdp[offload]" in message and untouched
+
+
+def parity_on_a_simulated_accelerator(shape, mixed: bool) -> tuple[dict, list[str], set]:
+    """``parity_case`` with the core on the accelerator code path (streams and events,
+    ``hyperfsdp_core.testing.streams``): the host-to-device copies that fill the
+    all-gather input run on the all-gather stream, after the optimizer step that wrote
+    the host storage (the simulator runs the host's optimizer on the current stream)."""
+    from hyperfsdp_core.testing.streams import simulated_accelerator
+
+    with simulated_accelerator() as sim:
+        result = parity_case(shape, mixed, True)
+        streams = {stream for _, name, stream, _ in sim.collectives if "allgather" in name}
+    return result, sim.violations, streams
+
+
+@pytest.mark.parametrize("shape, mixed", [((2,), False), ((2,), True)], ids=["fp32", "bf16"])
+def test_offload_streams_are_ordered_on_a_simulated_accelerator(run_ranks, shape, mixed):
+    for r, violations, streams in run_ranks(
+        2, parity_on_a_simulated_accelerator, shape, mixed, timeout=TIMEOUT
+    ):
+        assert violations == []
+        assert streams == {"all_gather"}
+        assert r["differ"] == [] and r["lives"] == {"cpu"}
+        if mixed:
+            assert r["moved"] > 0.1 and r["worst"] < 5e-3, r
+        else:
+            assert r["worst"] < 1e-5, r
