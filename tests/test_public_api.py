@@ -25,6 +25,7 @@ PUBLIC_MODULES = {
     "hyperfsdp_core.testing": None,  # the test harness: everything public in it
     "hyperfsdp_core.testing.counting": None,
     "hyperfsdp_core.testing.reference": None,
+    "hyperfsdp_core.testing.streams": None,
     "hyperfsdp_core.cli": {"main"},  # the `hyperfsdp` command, for plugins' CLI tests
 }
 PLUGIN_FILES = sorted(
