@@ -107,8 +107,9 @@ class Bucket:
         # (an all-gather writes into it): its comm's ``release_gathered``, called when it
         # is freed
         self._release_gathered: Callable[[], None] | None = None
-        # accelerators: the comm of the last unshard, and an event recorded on the current
-        # stream once the post-forward shard is written (its all-gather waits for it)
+        # accelerators (None on CPU): the comm of the last unshard, and an event recorded
+        # on the current stream once the post-forward shard is written (its all-gather
+        # waits for it)
         self._comm: Comm | None = None
         self._pf_ready = None
 
@@ -179,6 +180,9 @@ class Bucket:
             p.install_sharded(standalone(actual))
         self.sharded_flat = flat
         self.refresh_copy_in()
+        release, self._release_gathered = self._release_gathered, None
+        if release is not None:  # the old unsharded buffer's memory goes with it
+            release()
         self.unsharded_flat = None
         self._gather_views = None
         self._pf = None
@@ -318,7 +322,8 @@ class Bucket:
         """Issue the all-gather (or the local cast); idempotent while unsharded or in flight."""
         # the next reshard parks the memory with this comm (the root's, once it exists)
         self._storage_pool = comm.storage_pool
-        self._comm = comm
+        if not comm.is_cpu:
+            self._comm = comm
         if self.state is ShardedState.UNSHARDED or self.pending is not None:
             return
         self.init_unsharded()
@@ -484,7 +489,7 @@ class Bucket:
                     src
                 )
         comm = self._comm
-        ready = None if comm is None or comm.is_cpu else comm.current_stream().record_event()
+        ready = None if comm is None else comm.current_stream().record_event()
         self.reshard()
         self._pf_ready = ready
         for p, param in zip(self.params, pf.params):
