@@ -412,16 +412,15 @@ class Comm:
 
         ``custom.allocate`` decides where it lives if given (FSDP2-style custom comms).
         """
-        if custom is not None:
-            with self.gather_allocation() if use == "gather" else _NO_STREAM:
-                return custom.allocate((numel,), dtype=dtype, device=self.device)
-        if self.pools is not None:
+        if custom is None and self.pools is not None:
             if use == "reduce":  # the memory a unit's reshard just parked, if of this size
                 storage = self.storage_pool.take(numel * dtype.itemsize)
                 if storage is not None:
                     return torch.empty(0, dtype=dtype).set_(storage, 0, (numel,), (1,))
             return self.pools[use].get(numel, dtype)
         with self.gather_allocation() if use == "gather" else _NO_STREAM:
+            if custom is not None:
+                return custom.allocate((numel,), dtype=dtype, device=self.device)
             return torch.empty(numel, dtype=dtype, device=self.device)
 
     def gather_allocation(self):
@@ -443,7 +442,7 @@ class Comm:
         """``tensor`` (from :meth:`buffer`) is no longer used by the caller's stream: pooled
         on CPU; on accelerators a gather buffer's stream is ordered for its reuse (the
         caller drops the tensor after this)."""
-        if use == "gather" and self.all_gather_stream is not None:
+        if use == "gather":
             self.release_gathered()
         if self.pools is not None and tensor is not None and custom is None:
             if use == "reduce" and self.storage_pool.parks(tensor.untyped_storage()):

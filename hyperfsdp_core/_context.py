@@ -126,10 +126,11 @@ class RootContext:
     # -- backward -------------------------------------------------------------------------------
     def begin_backward(self) -> None:
         self.in_backward = True
-        # the sharded parameters are as the forward read them (ordered after the optimizer
-        # step by then): backward all-gathers into fresh memory wait for nothing else
-        self.comm.gathers_ordered = True
-        if not self.callback_queued:
+        if not self.callback_queued:  # once per backward
+            # the sharded parameters are as the forward read them (ordered after the
+            # optimizer step by then): backward all-gathers into fresh memory wait for
+            # nothing else
+            self.comm.gathers_ordered = True
             self.callback_queued = True
             queue_end_of_backward_callback(self.root.root_post_backward_hook)
             # hooks run in autograd's grad mode, which is on exactly with create_graph=True

@@ -103,14 +103,12 @@ class Bucket:
         # where resharding parks the unsharded buffer's memory (the comm's, CPU), once an
         # unshard has run; None: freed
         self._storage_pool = None
-        # accelerators: the unsharded buffer's memory came from the all-gather stream
-        # (an all-gather writes into it): its comm's ``release_gathered``, called when it
-        # is freed
-        self._release_gathered: Callable[[], None] | None = None
-        # accelerators (None on CPU): the comm of the last unshard, and an event recorded
-        # on the current stream once the post-forward shard is written (its all-gather
-        # waits for it)
+        # accelerators (None on CPU): the comm of the last unshard; whether the unsharded
+        # buffer's memory came from its all-gather stream (``Comm.release_gathered``
+        # before it is freed); and an event recorded on the current stream once the
+        # post-forward shard is written (its all-gather waits for it)
         self._comm: Comm | None = None
+        self._gathered_memory = False
         self._pf_ready = None
 
     @staticmethod
@@ -180,9 +178,7 @@ class Bucket:
             p.install_sharded(standalone(actual))
         self.sharded_flat = flat
         self.refresh_copy_in()
-        release, self._release_gathered = self._release_gathered, None
-        if release is not None:  # the old unsharded buffer's memory goes with it
-            release()
+        self._release_unsharded()  # the old unsharded buffer's memory goes with it
         self.unsharded_flat = None
         self._gather_views = None
         self._pf = None
@@ -245,7 +241,7 @@ class Bucket:
             if comm is not None and not comm.is_cpu:
                 with comm.gather_allocation():
                     storage.resize_(nbytes)
-                self._release_gathered = comm.release_gathered
+                self._gathered_memory = True
             else:
                 storage.resize_(nbytes)
         return True
@@ -258,13 +254,17 @@ class Bucket:
         storage = flat.untyped_storage()
         if storage.size() == 0:
             return
-        release, self._release_gathered = self._release_gathered, None
-        if release is not None:
-            release()
+        self._release_unsharded()
         if self._storage_pool is not None:
             self._storage_pool.park(storage)
         else:
             storage.resize_(0)
+
+    def _release_unsharded(self) -> None:
+        """Before memory the all-gather stream allocated for the unsharded buffer is freed."""
+        if self._gathered_memory:
+            self._gathered_memory = False
+            self._comm.release_gathered()
 
     def _fill_for_gather(self) -> None:
         """All-gather by all-reduce: this rank's shards (cast if needed) into its rows of

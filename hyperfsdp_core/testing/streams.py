@@ -46,7 +46,7 @@ class SimEvent:
         return True
 
     def synchronize(self) -> None:
-        pass
+        """Simulated work is done when it is enqueued: nothing to wait for."""
 
 
 class SimStream:
@@ -86,7 +86,7 @@ class SimStream:
         return True
 
     def synchronize(self) -> None:
-        pass
+        """Simulated work is done when it is enqueued: nothing to wait for."""
 
     def __repr__(self) -> str:
         return f"<stream {self.name}>"
@@ -109,6 +109,14 @@ def _span(t: torch.Tensor) -> tuple[int, int] | None:
 
 def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
     return a[0] < b[1] and b[0] < a[1]
+
+
+def _forget(span: tuple[int, int], *tables: dict) -> None:
+    """Drop the entries (keyed by start address, ``end`` first in the value) of ``tables``
+    that overlap ``span``."""
+    for table in tables:
+        for start in [s for s, entry in table.items() if _overlaps(span, (s, entry[0]))]:
+            del table[start]
 
 
 class Simulator(TorchDispatchMode):
@@ -154,7 +162,7 @@ class Simulator(TorchDispatchMode):
             self._current = previous
 
     def synchronize(self, device=None) -> None:
-        pass
+        """Simulated work is done when it is enqueued: nothing to wait for."""
 
     # -- checks -----------------------------------------------------------------------------
     def _violation(self, text: str) -> None:
@@ -201,12 +209,9 @@ class Simulator(TorchDispatchMode):
         """Fresh memory under the current stream (``owner``: the tensor whose death frees
         it; None: freed by ``resize_(0)``)."""
         stream = self._current
-        for table in (self._default_writes, self._side_writes):
-            for start in [s for s, w in table.items() if _overlaps(span, (s, w[0]))]:
-                del table[start]  # fresh memory: no writer to wait for
-        for table in (self._default_allocs, self._side_allocs):
-            for start in [s for s, a in table.items() if _overlaps(span, (s, a[0]))]:
-                del table[start]  # the allocator reused an address we saw freed
+        # fresh memory: no writer to wait for; an allocation we saw there was freed
+        _forget(span, self._default_writes, self._side_writes)
+        _forget(span, self._default_allocs, self._side_allocs)
         if stream is self.default:
             self._default_allocs[span[0]] = (span[1], dict(stream.clock))
             return
@@ -221,9 +226,7 @@ class Simulator(TorchDispatchMode):
         tables: tuple[dict, ...] = (self._side_writes, self._side_allocs)
         if stream is not self.default:
             tables += (self._default_writes, self._default_allocs)
-        for table in tables:
-            for start in [s for s, e in table.items() if _overlaps(span, (s, e[0]))]:
-                del table[start]
+        _forget(span, *tables)
         if stream is not self.default:
             self._side_writes[span[0]] = (span[1], stream, clock, what)
 
@@ -232,9 +235,7 @@ class Simulator(TorchDispatchMode):
         entry = self._side_allocs.pop(start, None)
         end = entry[0] if entry is not None else default[0] if default is not None else None
         if end is not None:  # what it held is dead: nobody waits for those writes now
-            for table in (self._default_writes, self._side_writes):
-                for s in [s for s, w in table.items() if _overlaps((start, end), (s, w[0]))]:
-                    del table[s]
+            _forget((start, end), self._default_writes, self._side_writes)
         if entry is None:
             return
         _, owner, uses = entry
