@@ -45,7 +45,7 @@ def test_case_impls_per_config():
         "floor",
         "fsdp2-foreach",
     )
-    assert Case("tp", 4, 8).impls(main) == ("hyperfsdp", "fsdp2")
+    assert Case("tp", 4, 8).impls(main) == ("hyperfsdp", "fsdp2", "floor")
 
 
 def test_new_configs_and_presets():
@@ -299,3 +299,54 @@ def test_bf16_floor_computes_what_mixed_precision_does():
         assert torch.equal(loss, ref_loss)
     for a, b in zip(masters, ref.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def rank_tensor_parallel_floor() -> tuple[int, list[tuple[float, float]], float]:
+    """Three steps of the tensor-parallel floor beside this rank's own unsharded reference,
+    trained on the same local batches; returns (data rank, losses, largest parameter gap)."""
+    import torch
+    import torch.distributed as dist
+    from hyperfsdp_bench.impls import CaseSpec, build, data_rank, needs_process_group
+    from hyperfsdp_bench.model import ModelConfig, build_model, make_batches
+    from torch.distributed.tensor import DTensor
+
+    cfg = ModelConfig(vocab=64, dim=16, n_layers=2, n_heads=2, hidden=32, seq_len=8, batch=2)
+    spec = CaseSpec(cfg, tp=2, seed=3)
+    assert needs_process_group("floor", spec) and not needs_process_group("floor", CaseSpec(cfg))
+    built = build("floor", spec)
+    assert all(isinstance(p, DTensor) for p in built.model.parameters())
+    ref = build_model(cfg, spec.seed)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=spec.lr, weight_decay=0.1)
+    dp_rank = data_rank(spec, dist.get_rank())
+    losses = []
+    for tokens, targets in make_batches(cfg, spec.seed, dp_rank, 3):
+        built.optimizer.zero_grad(set_to_none=True)
+        loss = built.model(tokens, targets)
+        loss.backward()
+        built.optimizer.step()
+        ref_opt.zero_grad(set_to_none=True)
+        ref_loss = ref(tokens, targets)
+        ref_loss.backward()
+        ref_opt.step()
+        losses.append((float(loss.detach()), float(ref_loss.detach())))
+    gap = max(
+        (p.full_tensor() - r).abs().max().item()
+        for p, r in zip(built.model.parameters(), ref.parameters(), strict=True)
+    )
+    return dp_rank, losses, gap
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tensor_parallel_floor_trains_each_replica_on_its_own(run_ranks, world):
+    """The floor of the TP cases is the TP model without FSDP: every data-parallel replica
+    trains its local batch with no communication over dp, so each rank matches an unsharded
+    model trained on that batch alone (fp32 tolerance), and replicas on different batches
+    differ."""
+    results = run_ranks(world, rank_tensor_parallel_floor, timeout=180)
+    assert [r[0] for r in results] == [rank // 2 for rank in range(world)]
+    for _, losses, gap in results:
+        for ours, ref in losses:
+            assert ours == pytest.approx(ref, rel=1e-5)
+        assert gap < 1e-5
+    if world == 4:
+        assert results[0][1] != results[2][1]

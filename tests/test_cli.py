@@ -174,7 +174,7 @@ def test_bench_lists_its_cases(capsys):
     out = capsys.readouterr().out
     for case in ("even w2 L8", "uneven w2 L8", "bf16 w2 L8", "no-reshard w2 L8", "hsdp w4 L8"):
         assert case in out
-    assert "tp w4 L8                 impls: hyperfsdp, fsdp2\n" in out
+    assert "tp w4 L8                 impls: hyperfsdp, fsdp2, floor\n" in out
     assert "host-overhead w1 L64" in out and "host-overhead w2 L64" in out
 
 

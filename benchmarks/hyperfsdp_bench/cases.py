@@ -31,8 +31,9 @@ CONFIGS = {
 HOST_OVERHEAD_BASES = ("hyperfsdp", "fsdp2", "floor")
 #: the tensor-parallel configurations (the tp group on gloo, and on hyperfsdp_shm)
 TP_CONFIGS = ("tp", "tp-shm")
-#: tensor parallelism: the two FSDPs only (DDP and the floor have no TP counterpart here)
-TP_BASES = ("hyperfsdp", "fsdp2")
+#: tensor parallelism: the two FSDPs and the floor (the same TP model without FSDP: each
+#: data-parallel replica trains on its own, only the "tp" collectives run); no DDP
+TP_BASES = ("hyperfsdp", "fsdp2", "floor")
 #: the offload configuration also runs these, whenever their main implementation runs
 OFFLOAD_EXTRAS = {
     "hyperfsdp": ("hyperfsdp-no-offload",),

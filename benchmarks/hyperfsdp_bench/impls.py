@@ -33,7 +33,7 @@ from .names import IMPLS, OFFLOAD_VARIANTS, VARIANTS
 #: (the names: ``names.VARIANTS``, ``names.OFFLOAD_VARIANTS``)
 ALL_IMPLS = IMPLS + VARIANTS + OFFLOAD_VARIANTS
 #: Main implementations that run under torch.distributed (the floor runs one independent
-#: process per rank).
+#: process per rank, except in tensor-parallel cases: see ``needs_process_group``).
 _DISTRIBUTED_BASES = frozenset({"hyperfsdp", "fsdp2", "ddp"})
 _SUFFIXES = ("-tuned", "-native", "-gloo", "-foreach", "-no-offload", "-unpinned")
 
@@ -50,6 +50,12 @@ def parse_impl(impl: str) -> tuple[str, str]:
 
 def is_distributed(impl: str) -> bool:
     return parse_impl(impl)[0] in _DISTRIBUTED_BASES
+
+
+def needs_process_group(impl: str, spec: CaseSpec) -> bool:
+    """Whether ``impl``'s rank processes join one process group for ``spec``: every
+    distributed implementation, and the floor of a tensor-parallel case (its "tp" collectives)."""
+    return is_distributed(impl) or spec.tp is not None
 
 
 def family(impl: str) -> str:
@@ -135,6 +141,25 @@ def _bf16_compute_copy(model: nn.Module) -> nn.Module:
     return compute
 
 
+def _tensor_parallel(model: nn.Module, spec: CaseSpec):
+    """Parallelize ``model`` on the "tp" dimension of a (world / tp, tp) ("dp", "tp") mesh
+    (Colwise/Rowwise with sequence parallelism); returns the mesh's "dp" dimension."""
+    import torch.distributed as dist
+    from hyperfsdp_tp.testing import parallelize
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (dist.get_world_size() // spec.tp, spec.tp)
+    override = None
+    if spec.tp_backend is not None:
+        from hyperfsdp_core import register_shm_backend
+
+        override = {"tp": spec.tp_backend}
+        register_shm_backend()
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"), backend_override=override)
+    parallelize(model, mesh["tp"], "sp")
+    return mesh["dp"]
+
+
 def _shard(model: nn.Module, fully_shard, mp_policy_cls, spec: CaseSpec, offload=None) -> int:
     kwargs = {}
     if offload is not None:
@@ -148,22 +173,7 @@ def _shard(model: nn.Module, fully_shard, mp_policy_cls, spec: CaseSpec, offload
 
         kwargs["mesh"] = init_device_mesh("cpu", spec.hsdp, mesh_dim_names=("replicate", "shard"))
     if spec.tp is not None:
-        import torch.distributed as dist
-        from hyperfsdp_tp.testing import parallelize
-        from torch.distributed.device_mesh import init_device_mesh
-
-        shape = (dist.get_world_size() // spec.tp, spec.tp)
-        override = None
-        if spec.tp_backend is not None:
-            from hyperfsdp_core import register_shm_backend
-
-            override = {"tp": spec.tp_backend}
-            register_shm_backend()
-        mesh = init_device_mesh(
-            "cpu", shape, mesh_dim_names=("dp", "tp"), backend_override=override
-        )
-        parallelize(model, mesh["tp"], "sp")
-        kwargs["mesh"] = mesh["dp"]
+        kwargs["mesh"] = _tensor_parallel(model, spec)
     for layer in model.layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
@@ -208,6 +218,10 @@ def build(impl: str, spec: CaseSpec) -> Built:
                 "FSDP2's CPUOffloadPolicy() refuses to run without an accelerator (it pins "
                 f"the sharded parameters): {exc}"
             ) from exc
+    elif base == "floor" and spec.tp is not None:
+        # The tensor-parallel floor: the same TP model without FSDP. Each data-parallel
+        # replica trains its local batch on its own; only the "tp" collectives run.
+        _tensor_parallel(model, spec)
     elif base == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 

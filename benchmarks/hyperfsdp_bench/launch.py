@@ -21,9 +21,12 @@ class PoolError(RuntimeError):
 
 
 class RankPool:
-    """``world`` rank processes for one implementation, driven in lockstep over pipes."""
+    """``world`` rank processes for one implementation, driven in lockstep over pipes.
 
-    def __init__(self, impl: str, world: int, threads: int) -> None:
+    ``distributed``: the ranks join one gloo process group (``impls.needs_process_group``).
+    """
+
+    def __init__(self, impl: str, world: int, threads: int, distributed: bool) -> None:
         self.impl = impl
         self.world = world
         self._tmp = tempfile.TemporaryDirectory(prefix=f"hyperfsdp-bench-{impl}-")
@@ -35,7 +38,7 @@ class RankPool:
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=worker_main,
-                args=(impl, rank, world, store, threads, child),
+                args=(impl, rank, world, store, threads, distributed, child),
                 daemon=True,
                 name=f"bench-{impl}-r{rank}",
             )

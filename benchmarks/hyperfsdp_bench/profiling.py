@@ -15,6 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from .cases import Case
+from .impls import needs_process_group
 from .launch import RankPool
 
 #: (area, substring of the profiled function's file or name); first match wins.
@@ -239,7 +240,7 @@ def main(argv=None) -> int:
     paths: dict[str, str] = {}
     spy_paths: dict[str, str] = {}
     for impl in impls:
-        with RankPool(impl, args.world_size, 1) as pool:
+        with RankPool(impl, args.world_size, 1, needs_process_group(impl, spec)) as pool:
             pool.wait_ready()
             pool.call("setup", spec, args.warmup)
             plain = pool.call("run", args.steps)

@@ -16,7 +16,7 @@ from pathlib import Path
 import attrs
 
 from .cases import PRESETS, Case, select_cases
-from .impls import IMPLS, family, parse_impl
+from .impls import IMPLS, family, needs_process_group, parse_impl
 from .launch import PoolError, RankPool
 
 #: fp32 guard: hyperfsdp's warmup losses must match FSDP2's to this relative tolerance.
@@ -252,7 +252,7 @@ def run_case(case: Case, opts: Options, log: Callable[[str], None]) -> dict:
     setups: dict[str, list[dict]] = {}
     try:
         for impl in impls:
-            pools[impl] = RankPool(impl, case.world, opts.threads)
+            pools[impl] = RankPool(impl, case.world, opts.threads, needs_process_group(impl, spec))
         for impl in impls:
             try:
                 pools[impl].wait_ready()

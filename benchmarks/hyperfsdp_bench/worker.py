@@ -16,7 +16,9 @@ import traceback
 from datetime import timedelta
 
 
-def worker_main(impl: str, rank: int, world: int, store_path: str, threads: int, conn) -> None:
+def worker_main(
+    impl: str, rank: int, world: int, store_path: str, threads: int, distributed: bool, conn
+) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import warnings
 
@@ -30,9 +32,7 @@ def worker_main(impl: str, rank: int, world: int, store_path: str, threads: int,
     counter = CollectiveCounter()
     counter.install()
     try:
-        from .impls import is_distributed
-
-        if is_distributed(impl):
+        if distributed:
             import torch.distributed as dist
 
             store = dist.FileStore(store_path, world)
