@@ -350,3 +350,22 @@ def test_tensor_parallel_floor_trains_each_replica_on_its_own(run_ranks, world):
         assert gap < 1e-5
     if world == 4:
         assert results[0][1] != results[2][1]
+
+
+def test_host_overhead_bound_skeleton_trains_like_the_floor():
+    """``benchmarks/host_overhead_bound.py``'s skeleton (DTensor parameters swapped by hooks,
+    DTensor gradients) is a working FSDP at world size 1: its losses, like hyperfsdp's and
+    FSDP2's, equal the plain model's bit for bit (no timing is checked)."""
+    import subprocess
+
+    script = benchmarks_dir() / "host_overhead_bound.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--steps", "3", "--warmup", "1", "--clock", "wall"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()[2:]}
+    assert sorted(rows) == ["floor", "fsdp2", "hyperfsdp", "skeleton"]
+    assert all(rows[m][-1] == "True" for m in ("skeleton", "hyperfsdp", "fsdp2"))
