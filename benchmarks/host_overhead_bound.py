@@ -109,23 +109,21 @@ def _skeleton(model, mesh):
     return params, end_of_backward
 
 
-def _build(mode: str, mesh):
+def _build(mode: str, spec, mesh):
     """``mode``'s model, optimizer and end-of-backward work (None but for the skeleton)."""
     import torch
-    from hyperfsdp_bench.cases import Case
     from hyperfsdp_bench.model import build_model
 
-    spec = Case("host-overhead", 1, 64).spec()
     model = build_model(spec.model, spec.seed)
     end_of_backward = None
     if mode == "skeleton":
         params, end_of_backward = _skeleton(model, mesh)
     else:
-        if mode in ("hyperfsdp", "fsdp2"):
-            if mode == "hyperfsdp":
-                from hyperfsdp_core import fully_shard
-            else:
-                from torch.distributed.fsdp import fully_shard
+        if mode == "hyperfsdp":
+            from hyperfsdp_core import fully_shard
+        elif mode == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+        if mode != "floor":
             for layer in model.layers:
                 fully_shard(layer)
             fully_shard(model)
@@ -153,7 +151,7 @@ def measure(steps: int, warmup: int, clock_name: str) -> dict:
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
         try:
             mesh = init_device_mesh("cpu", (1,))
-            built = {mode: _build(mode, mesh) for mode in MODES}
+            built = {mode: _build(mode, spec, mesh) for mode in MODES}
             out = {m: {"fwd_bwd": [], "optim": [], "losses": []} for m in MODES}
             for i in range(warmup + steps):
                 tokens, targets = batches[i % len(batches)]
