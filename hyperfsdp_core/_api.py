@@ -49,6 +49,7 @@ def fully_shard(
     mesh_was_default = mesh is None
     mesh = mesh if mesh is not None else default_mesh()
     _check_reshard_after_forward(reshard_after_forward)
+    reshard_after_forward = _trivial_int_as_bool(reshard_after_forward, mesh, dp_mesh_dims)
     for m in modules:
         if isinstance(m, FSDPModule):
             raise ValueError(
@@ -152,6 +153,17 @@ def default_mesh() -> DeviceMesh:
 
 def _root_modules(module: nn.Module | Sequence[nn.Module]) -> tuple[nn.Module, ...]:
     if isinstance(module, nn.Module):
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and (
+            type(module).forward is nn.Module.forward
+        ):
+            kind = type(module).__name__
+            raise ValueError(
+                f"fully_shard does not support containers that do not implement forward: "
+                f"this {kind} has no forward of its own, so the hooks that all-gather its "
+                "parameters would never run. Shard its parent module, or pass its modules "
+                f"as a list to form one group: fully_shard(list({kind.lower()}"
+                f"{'.values()' if isinstance(module, nn.ModuleDict) else ''}))"
+            )
         return (module,)
     modules = list(module)
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
@@ -171,6 +183,21 @@ def _check_reshard_after_forward(value: Any) -> None:
     if isinstance(value, int):
         return  # validated against the mesh by the core's validation hook
     raise ValueError(f"reshard_after_forward must be None, a bool or an int, got {value!r}")
+
+
+def _trivial_int_as_bool(
+    value: bool | int | None, mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims | None
+) -> bool | int | None:
+    """``reshard_after_forward=1`` means ``False`` and ``=<shard group size>`` means ``True``
+    (as in FSDP2): regrouping after forward to one rank, or to the whole shard group, is
+    the same as keeping the parameters unsharded or resharding them fully."""
+    if isinstance(value, bool) or not isinstance(value, int) or dp_mesh_dims is not None:
+        return value
+    if value == 1:
+        return False
+    if value == mesh.size(mesh.ndim - 1):  # the shard dim is the last (FSDP and HSDP)
+        return True
+    return value
 
 
 def _collect_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]):

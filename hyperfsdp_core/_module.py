@@ -192,8 +192,19 @@ class FSDPModule:
         ``reduce_output`` is this rank's flat reduce-scatter output (pure FSDP) or the
         all-reduce output (HSDP); the hook may modify it in place (e.g. all-reduce it
         over a custom group). It runs on the current stream once the reduction is
-        complete; ``stream`` is accepted for FSDP2 compatibility and not used.
+        complete. ``stream`` is accepted for FSDP2 compatibility and not used; as in
+        FSDP2, passing one is an error on a unit with replicated (HSDP) parameters, whose
+        hook runs where their all-reduce runs.
         """
+        group = self._fsdp_state().group
+        if stream is not None and group is not None:
+            replicated = [p.fqn for p in group.params if p.mesh_info.kind != "FSDP"]
+            if replicated:
+                raise ValueError(
+                    "set_all_reduce_hook: stream cannot be set on a unit with replicated "
+                    f"(HSDP) parameters ({', '.join(replicated)}): their hook runs where "
+                    "their all-reduce runs. Call it without stream="
+                )
         self._set_group_option("all_reduce_hook", hook)
 
     def set_custom_all_gather(self, comm) -> None:
@@ -234,8 +245,15 @@ class FSDPModule:
             group.apply_settings()
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Reductions always use SUM here (scaling is applied around it); kept for FSDP2 parity."""
-        self._fsdp_state().force_sum_reduction = enable
+        """Accepted for FSDP2 compatibility; it has no effect here.
+
+        FSDP2 reduces with ``AVG`` or a pre-multiplied sum unless this is set, then with
+        ``SUM`` and a separate division. hyperfsdp always does the latter: every
+        reduce-scatter and all-reduce uses ``ReduceOp.SUM``, with the gradients scaled
+        once before it, so the collectives are SUM whatever ``enable`` is.
+        """
+        if not isinstance(enable, bool):
+            raise TypeError(f"set_force_sum_reduction_for_comms expects a bool, got {enable!r}")
 
     def sharding_plan(self):
         """One row per managed parameter of this unit and its sub-units (see API.md)."""

@@ -93,7 +93,7 @@ def two_d_mesh_without_plugin():
 
 def bad_reshard_after_forward():
     return expect_error(
-        lambda: nn.Linear(2, 2), lambda m: fully_shard(m, reshard_after_forward=2), "divisor"
+        lambda: nn.Linear(2, 2), lambda m: fully_shard(m, reshard_after_forward=3), "divisor"
     )
 
 

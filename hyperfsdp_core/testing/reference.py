@@ -154,22 +154,6 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def max_param_diff(model: nn.Module, ref: nn.Module) -> dict[str, float]:
-    """Largest absolute difference per parameter FQN (sharded params gathered)."""
-    ref_params = dict(ref.named_parameters())
-    out = {}
-    for name, p in model.named_parameters():
-        r = ref_params[name]
-        out[name] = (
-            (full(p.detach()).float() - full(r.detach()).float()).abs().max().item()
-            if r.numel()
-            else 0.0
-        )
-    if set(out) != set(ref_params):
-        raise AssertionError(f"parameter names differ: {sorted(set(out) ^ set(ref_params))}")
-    return out
-
-
 def assert_close_params(
     model: nn.Module, ref: nn.Module, atol: float = 1e-5, rtol: float = 1e-4
 ) -> None:

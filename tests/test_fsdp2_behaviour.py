@@ -1,0 +1,217 @@
+"""Where hyperfsdp must behave as FSDP2 at ``fully_shard`` time and in its setters: each
+case runs the same script on hyperfsdp and on torch's own ``fully_shard`` (gloo, CPU)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+from torch.distributed.tensor import DTensor
+
+from hyperfsdp_core import fully_shard
+from hyperfsdp_core.testing.counting import CollectiveCounter
+from hyperfsdp_core.testing.reference import (
+    MLPStack,
+    full,
+    local_slice,
+    mlp_batch,
+    mse_loss,
+    train_parity,
+)
+
+IMPLS = {"hyperfsdp": fully_shard, "fsdp2": fsdp2_fully_shard}
+DIMS = [6, 9, 7, 5, 3]
+
+
+def build():
+    torch.manual_seed(0)
+    return MLPStack(DIMS)
+
+
+def batch(step):
+    return mlp_batch(step, 8, DIMS[0])
+
+
+# -- reshard_after_forward=1 / =<shard group size> (issue 28 item 5) ------------------------------
+
+
+def trivial_reshard_ints(impl, which):
+    shard_fn = IMPLS[impl]
+    world = dist.get_world_size()
+    raf = 1 if which == "one" else world
+
+    def shard(model):
+        for layer in model.layers:
+            shard_fn(layer, reshard_after_forward=raf)
+        shard_fn(model, reshard_after_forward=raf)
+
+    losses = train_parity(build, shard, batch, mse_loss, steps=3)["losses"]
+    # what each unit registers between forward and backward, and what backward gathers
+    model = build()
+    shard(model)
+    x, _ = batch(0)
+    with CollectiveCounter() as counted:
+        out = model(local_slice(x))
+        kept = [not isinstance(layer.weight, DTensor) for layer in model.layers]
+        forward_gathers = counted.count("ag")
+        mse_loss(out, out).backward()
+    backward_gathers = counted.count("ag") - forward_gathers
+    return losses, kept, backward_gathers if impl == "hyperfsdp" else None
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("which", ["one", "shard_size"])
+def test_trivial_reshard_after_forward_ints_are_bools(run_ranks, world, which):
+    """``reshard_after_forward=1`` is ``False`` and ``=<shard size>`` is ``True``, as in FSDP2."""
+    ours = run_ranks(world, trivial_reshard_ints, "hyperfsdp", which)
+    theirs = run_ranks(world, trivial_reshard_ints, "fsdp2", which)
+    n_layers = len(DIMS) - 1
+    for (losses, kept, backward_gathers), (fsdp2_losses, fsdp2_kept, _) in zip(ours, theirs):
+        assert losses == pytest.approx(fsdp2_losses, rel=1e-5)
+        assert kept == fsdp2_kept
+        if which == "one":  # as False: every unit keeps its parameters, backward gathers none
+            assert kept == [True] * n_layers and backward_gathers == 0
+        else:  # as True: every non-root unit reshards and gathers again in backward
+            assert kept == [False] * n_layers and backward_gathers == n_layers
+
+
+# -- containers without forward (issue 28 item 7) --------------------------------------------------
+
+
+class ModuleListWithForward(nn.ModuleList):
+    def forward(self, x):
+        for layer in self:
+            x = layer(x)
+        return x
+
+
+def containers(impl):
+    shard_fn = IMPLS[impl]
+    rejected = {}
+    for kind, make in {
+        "ModuleList": lambda: nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)]),
+        "ModuleDict": lambda: nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)}),
+    }.items():
+        container = make()
+        before = [id(p) for p in container.parameters()]
+        try:
+            shard_fn(container)
+        except ValueError as exc:
+            unchanged = before == [id(p) for p in container.parameters()]
+            rejected[kind] = (unchanged, "do not implement forward" in str(exc), str(exc))
+        else:
+            rejected[kind] = None
+    # a container with its own forward, and the list form, stay supported
+    torch.manual_seed(0)
+    with_forward = ModuleListWithForward([nn.Linear(4, 4), nn.Linear(4, 4)])
+    shard_fn(with_forward)
+    with_forward(torch.randn(2, 4)).sum().backward()
+
+    def shard_as_list(model):
+        shard_fn(list(model.layers))  # one group of the list's modules
+        shard_fn(model)
+
+    losses = train_parity(build, shard_as_list, batch, mse_loss, steps=2)["losses"]
+    return rejected, losses
+
+
+def test_container_without_forward_is_rejected(run_ranks):
+    ours = run_ranks(2, containers, "hyperfsdp")
+    theirs = run_ranks(2, containers, "fsdp2")
+    for (rejected, losses), (fsdp2_rejected, fsdp2_losses) in zip(ours, theirs):
+        assert set(rejected) == set(fsdp2_rejected) == {"ModuleList", "ModuleDict"}
+        for kind, result in rejected.items():
+            assert fsdp2_rejected[kind] is not None  # FSDP2 raises ValueError too
+            assert result is not None, f"{kind} accepted"
+            unchanged, names_problem, message = result
+            assert unchanged and names_problem, message
+            assert "fully_shard(list(" in message  # says what to do instead
+        assert losses == pytest.approx(fsdp2_losses, rel=1e-5)
+
+
+# -- set_all_reduce_hook(stream=) on HSDP (issue 28 item 11) --------------------------------------
+
+
+def all_reduce_hook_stream(impl):
+    shard_fn = IMPLS[impl]
+    stream = torch.Stream(device="cpu")
+    outcome = {}
+    for name, shape in {"hsdp": (2, 2), "fsdp": (4,)}.items():
+        names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        model = shard_fn(nn.Linear(4, 4), mesh=mesh)
+        try:
+            model.set_all_reduce_hook(lambda out: None, stream=stream)
+            outcome[name] = "accepted"
+        except ValueError as exc:
+            outcome[name] = str(exc)
+        if impl == "hyperfsdp":  # FSDP2's HSDP backward needs stream events (not on CPU)
+            # without a stream the hook is set and sees the reduced gradients
+            seen = []
+            model.set_all_reduce_hook(lambda out, seen=seen: seen.append(out.numel()))
+            model(torch.randn(2, 4)).sum().backward()
+            outcome[name + "_hook_calls"] = len(seen)
+    return outcome
+
+
+def test_all_reduce_hook_stream_rejected_on_hsdp(run_ranks):
+    pytest.importorskip("hyperfsdp_hsdp")
+    ours = run_ranks(4, all_reduce_hook_stream, "hyperfsdp")
+    theirs = run_ranks(4, all_reduce_hook_stream, "fsdp2")
+    for outcome, fsdp2 in zip(ours, theirs):
+        assert fsdp2["fsdp"] == outcome["fsdp"] == "accepted"
+        assert fsdp2["hsdp"] != "accepted"
+        assert "stream" in outcome["hsdp"] and "HSDP" in outcome["hsdp"], outcome["hsdp"]
+        assert "'weight'" not in outcome["hsdp"] and "weight" in outcome["hsdp"]
+        assert outcome["hsdp_hook_calls"] >= 1 and outcome["fsdp_hook_calls"] >= 1
+
+
+# -- set_force_sum_reduction_for_comms (issue 28 item 16) -----------------------------------------
+
+
+def force_sum(enable):
+    torch.manual_seed(0)
+    model = MLPStack(DIMS)
+    ref = MLPStack(DIMS)
+    ref.load_state_dict(model.state_dict())
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    for unit in [*model.layers, model]:
+        unit.set_force_sum_reduction_for_comms(enable)
+        unit.set_gradient_divide_factor(2.0)  # a sum over ranks, halved: not an average
+    x, _ = batch(0)
+    with CollectiveCounter() as counted:
+        mse_loss(model(local_slice(x)), None).backward()
+    mse_loss(ref(x), None).backward()  # mean over the global batch: the average of the ranks'
+    world = dist.get_world_size()
+    worst = max(
+        (full(p.grad) - ref_p.grad * world / 2.0).abs().max().item()
+        for p, ref_p in zip(model.parameters(), ref.parameters())
+    )
+    ops = {op for kind, _, op in counted.calls if kind == "rs"}
+    return ops, worst
+
+
+@pytest.mark.parametrize("enable", [True, False])
+def test_force_sum_reduction_has_no_effect_reductions_are_sum(run_ranks, enable):
+    """The setting changes nothing: every reduce-scatter is already a SUM, scaled once by
+    the divide factor, whatever ``enable`` is (the docstring and the compat doc say so)."""
+    for ops, worst in run_ranks(4, force_sum, enable):
+        assert ops == {str(dist.ReduceOp.SUM)}
+        assert worst < 1e-6
+
+
+def force_sum_rejects_non_bool():
+    model = fully_shard(nn.Linear(4, 4))
+    try:
+        model.set_force_sum_reduction_for_comms("yes")
+    except TypeError as exc:
+        return str(exc)
+    return None
+
+
+def test_force_sum_reduction_needs_a_bool(run_ranks):
+    for message in run_ranks(2, force_sum_rejects_non_bool):
+        assert message is not None and "bool" in message
