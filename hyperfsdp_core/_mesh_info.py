@@ -7,6 +7,7 @@ no tensors, dtypes or work handles; parameters with the same topology share one.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
@@ -22,22 +23,52 @@ V = TypeVar("V")
 class ProcessGroupCache(Generic[V]):
     """A cache of objects made from process groups (groups, meshes, MeshInfos).
 
-    Process groups die with ``dist.destroy_process_group()``; a later
-    ``init_process_group`` makes new ones. This cache is emptied whenever the default
-    process group is not the one it was filled under, so it never hands back a group
-    of an earlier initialization.
+    Process groups belong to one c10d world (the default process group and the groups
+    made under it): ``dist.destroy_process_group()`` ends it, a later
+    ``init_process_group`` starts another. Values are kept per world, so a lookup never
+    hands back a group of another world: of an earlier initialization, or of another
+    rank where ranks are threads of one process (torch's threaded process group, whose
+    default group is per thread). A world's values are dropped once it is replaced: when
+    a thread that used it moves on to another world, or the thread that first used it
+    has ended and another world is in use.
     """
 
     def __init__(self) -> None:
-        self._world: weakref.ref | None = None
-        self._data: dict[Hashable, V] = {}
+        # id(world) -> (weak reference to the world, the thread that first used it, values)
+        self._worlds: dict[int, tuple[weakref.ref, weakref.ref, dict[Hashable, V]]] = {}
+        self._thread = threading.local()  # .world: the id of the world this thread last used
+        self._lock = threading.Lock()
 
     def _current(self) -> dict[Hashable, V]:
         world = dist.group.WORLD if dist.is_initialized() else None
-        if world is None or self._world is None or self._world() is not world:
-            self._data.clear()
-            self._world = weakref.ref(world) if world is not None else None
-        return self._data
+        if world is None:  # no world: nothing to keep values for
+            return {}
+        key = id(world)
+        last = getattr(self._thread, "world", None)
+        entry = self._worlds.get(key)
+        if last == key and entry is not None and entry[0]() is world:
+            return entry[2]
+        with self._lock:
+            if last is not None and last != key:
+                self._worlds.pop(last, None)  # this thread's previous world is over
+            entry = self._worlds.get(key)
+            if entry is None or entry[0]() is not world:
+                self._drop_stale()
+                entry = self._worlds[key] = (
+                    weakref.ref(world),
+                    weakref.ref(threading.current_thread()),
+                    {},
+                )
+        self._thread.world = key
+        return entry[2]
+
+    def _drop_stale(self) -> None:
+        """Forget worlds that are gone, or whose first thread has ended (the calling
+        thread, in another world, no longer shares them)."""
+        for key, (world, thread, _) in list(self._worlds.items()):
+            owner = thread()
+            if world() is None or owner is None or not owner.is_alive():
+                del self._worlds[key]
 
     @classmethod
     def _key(cls, key: Hashable) -> Hashable:

@@ -1,0 +1,191 @@
+"""Ranks as threads of one process (torch's threaded process group, as FSDP2's own
+``FSDPTestMultiThread`` tests run): every rank thread sees its own default group, so
+nothing the core caches per process may be shared between the thread-ranks.
+
+The threaded group lives in ``torch.testing._internal`` (private to torch's tests); it is
+used here, in a test only, because it is how PyTorch runs FSDP2 with ranks as threads.
+Each test runs the threads inside one harness rank process (``run_ranks(1, ...)``), so a
+hang is bounded twice: by the threads' own deadline and by the harness timeout.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hyperfsdp_core.testing.reference import (
+    Transformer,
+    assert_close_params,
+    full,
+    lm_loss,
+    local_slice,
+    token_batch,
+)
+
+#: seconds the rank threads get to train (a few steps take well under a second)
+THREAD_DEADLINE = 60.0
+
+
+def run_threaded(world: int, fn, *args, deadline: float = THREAD_DEADLINE) -> list:
+    """``fn(*args)`` on ``world`` threads, each rank of a threaded process group (installed
+    for the call, then the process's own world restored); results per rank. A rank's
+    exception, or a rank still running after ``deadline`` seconds, fails the call."""
+    # test-only use of torch's private threaded process group (see the module docstring)
+    from torch.testing._internal.distributed.multi_threaded_pg import (
+        ProcessLocalGroup,
+        _install_threaded_pg,
+        _uninstall_threaded_pg,
+    )
+
+    results: list = [None] * world
+    errors: list[str] = []
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=deadline))
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    _install_threaded_pg()
+
+    def worker(rank: int) -> None:
+        try:
+            dist.init_process_group(
+                "threaded",
+                rank=rank,
+                world_size=world,
+                store=store,
+                timeout=timedelta(seconds=deadline),
+            )
+            try:
+                results[rank] = fn(*args)
+            finally:
+                dist.destroy_process_group()
+        except BaseException as exc:  # reported below, with the rank
+            errors.append(f"rank {rank}:\n{traceback.format_exc()}")
+            ProcessLocalGroup.exception_handle(exc)  # wake the ranks waiting for this one
+
+    threads = [threading.Thread(target=worker, args=(r,), daemon=True) for r in range(world)]
+    try:
+        for t in threads:
+            t.start()
+        end = threading.Event()
+        timer = threading.Timer(deadline, end.set)
+        timer.start()
+        for t in threads:
+            while t.is_alive() and not end.is_set():
+                t.join(0.05)
+        timer.cancel()
+        stuck = [r for r, t in enumerate(threads) if t.is_alive()]
+        if stuck:
+            ProcessLocalGroup.exception_handle(TimeoutError())  # end collectives in flight
+            for t in threads:
+                t.join(5)
+            raise TimeoutError(
+                f"threaded ranks {stuck} of {world} still running after {deadline:.0f}s; "
+                + "".join(errors)
+            )
+        if errors:
+            raise RuntimeError("".join(errors))
+        return results
+    finally:
+        ProcessLocalGroup.reset()
+        _uninstall_threaded_pg()
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+
+
+# -- training with thread-ranks -------------------------------------------------------------------
+
+STEPS = 3
+GLOBAL_BATCH = 8
+SEQ, VOCAB = 5, 37
+
+
+def build() -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(vocab=VOCAB, dim=16, n_layers=3, hidden=27)
+
+
+def shard_units(model: Transformer, fully_shard, world: int, separate: bool) -> None:
+    """A few units with different reshard policies: the blocks to groups of 2 after forward
+    where the world allows an int (a post-forward mesh), the norm kept unsharded after
+    forward, the head and the root as the default."""
+    raf = 2 if world == 4 else True
+    for block in model.layers:
+        fully_shard(block, reshard_after_forward=raf)
+    fully_shard(model.norm, reshard_after_forward=False)
+    fully_shard(model.output)
+    fully_shard(model)
+    if separate:  # reduce-scatters on a second group over the shard ranks (cached too)
+        model.set_separate_reduce_scatter_group(True)
+
+
+def train_rank(copies: list[Transformer], impl: str, separate: bool):
+    """One thread-rank: shard its copy of the model, train, return the averaged losses and
+    the full parameters."""
+    model = copies[dist.get_rank()]
+    if impl == "hyperfsdp":
+        from hyperfsdp_core import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard
+    world = dist.get_world_size()
+    shard_units(model, fully_shard, world, separate and impl == "hyperfsdp")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    losses = []
+    for step in range(STEPS):
+        x, y = token_batch(step, GLOBAL_BATCH, SEQ, VOCAB)
+        loss = lm_loss(model(local_slice(x)), local_slice(y))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        avg = loss.detach().clone()
+        dist.all_reduce(avg)
+        losses.append(avg.item() / world)
+    params = {n: full(p.detach()).clone() for n, p in model.named_parameters()}
+    return losses, params
+
+
+def train_reference(model: Transformer) -> tuple[list[float], Transformer]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    losses = []
+    for step in range(STEPS):
+        x, y = token_batch(step, GLOBAL_BATCH, SEQ, VOCAB)
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, model
+
+
+def threaded_training(world: int, impl: str, separate: bool):
+    """Runs in one harness rank: trains ``world`` thread-ranks twice in a row (the second
+    time with new process groups, so nothing may survive from the first), then checks
+    them against the unsharded reference."""
+    model = build()
+    ref_losses, ref = train_reference(copy.deepcopy(model))
+    out = []
+    for _ in range(2):
+        copies = [copy.deepcopy(model) for _ in range(world)]
+        results = run_threaded(world, train_rank, copies, impl, separate)
+        for losses, params in results:
+            for got, want in zip(losses, ref_losses):
+                assert abs(got - want) <= 1e-4 * max(1.0, abs(want)), (losses, ref_losses)
+            trained = copy.deepcopy(ref)
+            with torch.no_grad():
+                for n, p in trained.named_parameters():
+                    p.copy_(params[n])
+            assert_close_params(trained, ref)
+        out.append(results[0][0])
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("impl", ["hyperfsdp", "fsdp2"])
+def test_threaded_ranks_train_like_the_reference(run_ranks, world, impl):
+    """hyperfsdp trains with ranks as threads as FSDP2 does, at world 2 and 4, with a
+    post-forward mesh (world 4) and a separate reduce-scatter group, twice in a row."""
+    (runs,) = run_ranks(1, threaded_training, world, impl, True, timeout=150)
+    assert len(runs) == 2 and runs[0] == pytest.approx(runs[1], rel=1e-6)
