@@ -5,9 +5,11 @@ from __future__ import annotations
 import heapq
 import importlib
 import importlib.metadata
+import itertools
 import os
 import re
 import threading
+import warnings
 from collections.abc import Callable, Iterable
 from graphlib import CycleError, TopologicalSorter
 from typing import Any
@@ -21,6 +23,8 @@ PROJECT_NAME = "hyperfsdp"
 ENTRY_POINT_GROUP = "hyperfsdp"
 #: Set to a non-empty value to skip loading plugins from entry points.
 DISABLE_AUTOLOAD_ENV = "HYPERFSDP_DISABLE_PLUGIN_AUTOLOAD"
+#: Plugin names (entry-point names, comma- or space-separated) not to load in this process.
+PLUGINS_DISABLE_ENV = "HYPERFSDP_PLUGINS_DISABLE"
 #: Plugins that ship with the core, registered before any entry point: (name, module).
 BUILTIN_PLUGINS = (
     ("hyperfsdp.core", "hyperfsdp_core._builtin.core"),
@@ -70,7 +74,22 @@ class PluginVersionError(PluginLoadError):
 
 
 class PhaseOrderError(ValueError):
-    """The declared finalization phases cannot be ordered."""
+    """The declared finalization phases cannot be ordered.
+
+    ``plugins`` names the plugins involved (the owners of the phases in a cycle, say).
+    """
+
+    def __init__(self, message: str, *, plugins: Iterable[str] = ()) -> None:
+        super().__init__(message)
+        self.plugins: tuple[str, ...] = tuple(dict.fromkeys(plugins))
+
+
+class PluginSelectionError(ValueError):
+    """The plugins asked to be disabled cannot be (a builtin plugin of the core)."""
+
+
+class PluginSelectionWarning(UserWarning):
+    """A plugin asked to be disabled is not installed (a typo?)."""
 
 
 _CLAUSE = re.compile(r"^\s*(>=|<=|==|!=|>|<)\s*(\d+(?:\.\d+)*)\s*$")
@@ -164,6 +183,11 @@ class HyperFSDPPluginManager(pluggy.PluginManager):
         #: Whether entry-point plugins were loaded (see :data:`DISABLE_AUTOLOAD_ENV`).
         self.autoloaded = False
         self._distinfo: dict[str, PluginInfo] = {}
+        #: Plugin names disabled in this manager (see :data:`PLUGINS_DISABLE_ENV`), each with
+        #: the installed entry point of that name (``None``: no installed plugin has it).
+        self.disabled: dict[str, PluginInfo | None] = {}
+        #: Where :attr:`disabled` came from: the environment variable or ``disable=``.
+        self.disabled_by = PLUGINS_DISABLE_ENV
         #: Incremented on every change, so caches built from hooks can tell they are stale.
         self.generation = 0
 
@@ -226,7 +250,48 @@ class HyperFSDPPluginManager(pluggy.PluginManager):
             infos.append(info)
         return infos
 
+    def first_result_hooks(self) -> dict[str, list[tuple[str, str]]]:
+        """Each *first result* hook -> ``(plugin name, kind)`` of its implementations in
+        the order pluggy calls them (wrappers first, then tryfirst, normal, trylast, newest
+        registration first within each); ``kind`` is ``""``, ``"tryfirst"``, ``"trylast"``,
+        or ``"wrapper"`` (possibly ``"wrapper, tryfirst"`` ...)."""
+        hooks: dict[str, list[tuple[str, str]]] = {}
+        for name in sorted(vars(self.hook)):
+            caller = getattr(self.hook, name)
+            spec = getattr(caller, "spec", None)
+            if spec is None or not spec.opts.get("firstresult"):
+                continue
+            impls = []
+            for impl in reversed(caller.get_hookimpls()):
+                kind = ["wrapper"] if impl.wrapper or impl.hookwrapper else []
+                kind += [k for k in ("tryfirst", "trylast") if getattr(impl, k)]
+                impls.append((impl.plugin_name, ", ".join(kind)))
+            hooks[name] = impls
+        return hooks
+
+    def first_result_conflicts(self) -> dict[str, list[str]]:
+        """*First result* hooks answered by more than one plugin (wrappers and the core's
+        ``trylast`` defaults aside) -> those plugins, the one asked first first."""
+        conflicts = {}
+        for hook, impls in self.first_result_hooks().items():
+            names = [
+                name
+                for name, kind in impls
+                if "wrapper" not in kind and not (name == "hyperfsdp.core" and kind == "trylast")
+            ]
+            if len(names) > 1:
+                conflicts[hook] = names
+        return conflicts
+
     def _resolve(self) -> None:
+        try:
+            self._phases, self._phase_owners = self._order()
+        except PhaseOrderError as exc:
+            raise PhaseOrderError(
+                f"{exc}{self._disable_hint(exc.plugins)}", plugins=exc.plugins
+            ) from None
+
+    def _order(self) -> tuple[tuple[Phase, ...], dict[str, str]]:
         owners: dict[str, str] = {}
         phases: dict[str, Phase] = {}
         for impl in self.hook.hyperfsdp_finalize_phases.get_hookimpls():
@@ -234,17 +299,35 @@ class HyperFSDPPluginManager(pluggy.PluginManager):
                 if not isinstance(phase, Phase):
                     raise PhaseOrderError(
                         f"plugin {impl.plugin_name!r} returned {phase!r} from "
-                        "hyperfsdp_finalize_phases; expected hyperfsdp_core.plugin.Phase"
+                        "hyperfsdp_finalize_phases; expected hyperfsdp_core.plugin.Phase",
+                        plugins=[impl.plugin_name],
                     )
                 if phase.name in phases:
                     raise PhaseOrderError(
                         f"phase {phase.name!r} is declared twice: by plugin "
-                        f"{owners[phase.name]!r} and by plugin {impl.plugin_name!r}"
+                        f"{owners[phase.name]!r} and by plugin {impl.plugin_name!r}",
+                        plugins=[owners[phase.name], impl.plugin_name],
                     )
                 phases[phase.name] = phase
                 owners[phase.name] = impl.plugin_name
-        self._phases = order_phases(phases, owners)
-        self._phase_owners = owners
+        return order_phases(phases, owners), owners
+
+    def _disable_hint(self, plugins: Iterable[str]) -> str:
+        """How to get going without the installed plugins among ``plugins``."""
+        installed = [name for name in plugins if name in self._distinfo]
+        if not installed:
+            return ""
+        listing = ", ".join(
+            f"{name!r} (distribution {self._distinfo[name].distribution!r} "
+            f"{self._distinfo[name].version})"
+            for name in installed
+        )
+        choices = " or ".join(f"{PLUGINS_DISABLE_ENV}={name}" for name in installed)
+        which = "it" if len(installed) == 1 else "one of them"
+        return (
+            f". Installed plugins involved: {listing}. To run without {which}, set "
+            f"{choices} (or uninstall it), and report the conflict to the plugins' authors"
+        )
 
 
 def order_phases(phases: dict[str, Phase], owners: dict[str, str]) -> tuple[Phase, ...]:
@@ -254,32 +337,50 @@ def order_phases(phases: dict[str, Phase], owners: dict[str, str]) -> tuple[Phas
         the core's first phase; the message names the plugins involved.
     """
     graph: dict[str, set[str]] = {name: set() for name in phases}
+    #: (earlier, later) -> the declaration that orders them, for cycle reports
+    why: dict[tuple[str, str], str] = {}
     for name, phase in phases.items():
         for ref in phase.after + phase.before:
             if ref not in phases:
                 raise PhaseOrderError(
                     f"phase {name!r} of plugin {owners[name]!r} refers to unknown phase "
                     f"{ref!r}; known phases: {sorted(phases)}. Install the plugin that "
-                    "declares it, or use after_if_present=/before_if_present="
+                    "declares it, or use after_if_present=/before_if_present=",
+                    plugins=[owners[name]],
                 )
-        for ref in phase.after + tuple(r for r in phase.after_if_present if r in phases):
-            graph[name].add(ref)
-        for ref in phase.before + tuple(r for r in phase.before_if_present if r in phases):
-            if ref == FIRST_PHASE:
-                raise PhaseOrderError(
-                    f"phase {name!r} of plugin {owners[name]!r} asks to run before "
-                    f"{FIRST_PHASE!r}, which always runs first"
-                )
-            graph[ref].add(name)
+        for field in ("after", "after_if_present"):
+            for ref in getattr(phase, field):
+                if ref in phases:
+                    graph[name].add(ref)
+                    why.setdefault((ref, name), f"{name!r} declares {field}={ref!r}")
+        for field in ("before", "before_if_present"):
+            for ref in getattr(phase, field):
+                if ref not in phases:
+                    continue
+                if ref == FIRST_PHASE:
+                    raise PhaseOrderError(
+                        f"phase {name!r} of plugin {owners[name]!r} asks to run before "
+                        f"{FIRST_PHASE!r}, which always runs first",
+                        plugins=[owners[name]],
+                    )
+                graph[ref].add(name)
+                why.setdefault((name, ref), f"{name!r} declares {field}={ref!r}")
         if FIRST_PHASE in phases and name != FIRST_PHASE:
             graph[name].add(FIRST_PHASE)
     sorter = TopologicalSorter(graph)
     try:
         sorter.prepare()
     except CycleError as exc:
-        cycle = exc.args[1]
-        involved = ", ".join(f"{n!r} ({owners.get(n, '?')})" for n in dict.fromkeys(cycle))
-        raise PhaseOrderError(f"finalization phases form a cycle: {involved}") from None
+        cycle = exc.args[1]  # each phase must run before the next; the last is the first
+        chain = " -> ".join(f"{n!r} ({owners.get(n, '?')})" for n in cycle)
+        reasons = "; ".join(
+            why.get((a, b), f"{b!r} runs after {a!r}") for a, b in itertools.pairwise(cycle)
+        )
+        raise PhaseOrderError(
+            f"finalization phases form a cycle: {chain}, where each phase must run before "
+            f"the next ({reasons})",
+            plugins=[owners.get(n, "?") for n in cycle],
+        ) from None
     ready: list[str] = list(sorter.get_ready())
     heapq.heapify(ready)
     order = []
@@ -299,23 +400,30 @@ def _version(dist: str) -> str:
         return "unknown"
 
 
+def _entry_points() -> list[importlib.metadata.EntryPoint]:
+    return sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
+
+
+def _dist_of(ep: importlib.metadata.EntryPoint) -> tuple[str, str]:
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return "unknown distribution", "unknown"
+    return dist.metadata["Name"], dist.version
+
+
 def _load_entry_points(pm: HyperFSDPPluginManager) -> None:
-    for ep in sorted(
-        importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name
-    ):
+    for ep in _entry_points():
         if pm.get_plugin(ep.name) is not None or pm.is_blocked(ep.name):
             continue
-        dist = getattr(ep, "dist", None)
-        dist_name = dist.metadata["Name"] if dist is not None else "unknown distribution"
-        dist_version = dist.version if dist is not None else "unknown"
+        dist_name, dist_version = _dist_of(ep)
         try:
             plugin = ep.load()
         except Exception as exc:
             raise PluginLoadError(
                 f"hyperfsdp plugin {ep.name!r} from distribution {dist_name!r} "
                 f"{dist_version} failed to import ({ep.value}): {type(exc).__name__}: {exc}. "
-                f"Reinstall or uninstall {dist_name!r}, or set {DISABLE_AUTOLOAD_ENV}=1 "
-                "to skip plugin autoloading."
+                f"Reinstall or uninstall {dist_name!r}, or set {PLUGINS_DISABLE_ENV}={ep.name} "
+                f"to skip this plugin ({DISABLE_AUTOLOAD_ENV}=1 skips all of them)."
             ) from exc
         check_api(
             plugin, ep.name, required=True, origin=f"distribution {dist_name!r} {dist_version}"
@@ -324,9 +432,54 @@ def _load_entry_points(pm: HyperFSDPPluginManager) -> None:
         pm._distinfo[ep.name] = PluginInfo(ep.name, dist_name, dist_version)
 
 
-def build_plugin_manager(*, autoload: bool | None = None) -> HyperFSDPPluginManager:
-    """A new manager with the builtin plugins and (unless disabled) the entry-point plugins."""
+def parse_plugin_names(text: str) -> tuple[str, ...]:
+    """Plugin names from a comma- or whitespace-separated list, duplicates dropped."""
+    return tuple(dict.fromkeys(n for n in re.split(r"[,\s]+", text) if n))
+
+
+def _disabled_names(disable: str | Iterable[str] | None) -> tuple[tuple[str, ...], str]:
+    if disable is None:
+        return parse_plugin_names(os.environ.get(PLUGINS_DISABLE_ENV, "")), PLUGINS_DISABLE_ENV
+    if isinstance(disable, str):
+        return parse_plugin_names(disable), "disable="
+    return tuple(dict.fromkeys(disable)), "disable="
+
+
+def _disable(pm: HyperFSDPPluginManager, names: tuple[str, ...], source: str) -> None:
+    """Block ``names`` in ``pm`` (before anything is registered) and record them."""
+    builtin = [name for name in names if name in dict(BUILTIN_PLUGINS)]
+    if builtin:
+        raise PluginSelectionError(
+            f"{source} names {', '.join(map(repr, builtin))}, a builtin plugin of hyperfsdp's "
+            "core, which cannot be disabled: the core relies on it (hyperfsdp.core validates "
+            "fully_shard's input, lays out the parameters and drains the reduce-scatters; "
+            "hyperfsdp.mixed_precision implements MixedPrecisionPolicy). Remove it from "
+            f"{source}; only the plugins of installed distributions can be disabled"
+        )
+    pm.disabled_by = source
+    if not names:
+        return
+    installed = {ep.name: PluginInfo(ep.name, *_dist_of(ep)) for ep in _entry_points()}
+    for name in names:
+        pm.set_blocked(name)
+        pm.disabled[name] = installed.get(name)
+    unknown = [name for name in names if name not in installed]
+    if unknown:
+        known = ", ".join(sorted(installed)) or "none"
+        warnings.warn(
+            f"{source} names {', '.join(map(repr, unknown))}, but no installed hyperfsdp "
+            f"plugin has that name (installed entry-point plugins: {known}); check the "
+            "spelling. A plugin registered at run time under that name is refused as well",
+            PluginSelectionWarning,
+            stacklevel=5,  # get_plugin_manager()'s caller
+        )
+
+
+def _build(
+    autoload: bool | None, disable: str | Iterable[str] | None, seal: bool
+) -> HyperFSDPPluginManager:
     pm = HyperFSDPPluginManager()
+    _disable(pm, *_disabled_names(disable))
     for name, module_name in BUILTIN_PLUGINS:
         pm.register(importlib.import_module(module_name), name=name)
     if autoload is None:
@@ -334,8 +487,32 @@ def build_plugin_manager(*, autoload: bool | None = None) -> HyperFSDPPluginMana
     if autoload:
         _load_entry_points(pm)
         pm.autoloaded = True
-    pm.seal()
+    if seal:
+        pm.seal()
     return pm
+
+
+def build_plugin_manager(
+    *, autoload: bool | None = None, disable: str | Iterable[str] | None = None
+) -> HyperFSDPPluginManager:
+    """A new manager with the builtin plugins and (unless disabled) the entry-point plugins.
+
+    :param autoload: load entry-point plugins; ``None`` unless :data:`DISABLE_AUTOLOAD_ENV`
+        is set.
+    :param disable: plugin names not to load (nor to register later), as a list or a
+        comma-separated string; ``None`` reads :data:`PLUGINS_DISABLE_ENV`. Naming a
+        builtin plugin raises :class:`PluginSelectionError`; a name no installed plugin
+        has warns.
+    :raises PluginLoadError: a plugin failed to import or does not support this API.
+    :raises PhaseOrderError: the plugins' finalization phases cannot be ordered.
+    """
+    return _build(autoload, disable, seal=True)
+
+
+def build_unsealed_plugin_manager() -> HyperFSDPPluginManager:
+    """The process-wide manager's plugins, loaded as :func:`get_plugin_manager` would but
+    without ordering the phases: for reporting a :class:`PhaseOrderError`."""
+    return _build(None, None, seal=False)
 
 
 _lock = threading.Lock()

@@ -12,17 +12,27 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     from ._plugins import (
         API_ATTRIBUTE,
         DISABLE_AUTOLOAD_ENV,
+        PhaseOrderError,
         PluginLoadError,
+        PluginSelectionError,
+        PluginSelectionWarning,
         _version,
         api_version_string,
+        build_unsealed_plugin_manager,
         get_plugin_manager,
     )
 
+    order_error = None
     try:
         pm = get_plugin_manager()
-    except PluginLoadError as exc:
+    except (PluginLoadError, PluginSelectionError) as exc:
         print(f"hyperfsdp plugins: {exc}", file=sys.stderr)
         return 1
+    except PhaseOrderError as exc:
+        order_error = exc  # list what is installed, then report it
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PluginSelectionWarning)  # main() reported them
+            pm = build_unsealed_plugin_manager()
     infos = pm.plugin_infos()
     width = max(len(i.name) for i in infos)
     dwidth = max(len(i.distribution) for i in infos)
@@ -37,11 +47,46 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
         )
     if not pm.autoloaded:
         print(f"  (entry-point plugins not loaded: {DISABLE_AUTOLOAD_ENV} is set)")
+    if pm.disabled:
+        print(f"disabled plugins (not loaded: {pm.disabled_by}):")
+        dwidth = max(len(name) for name in pm.disabled)
+        for name, info in pm.disabled.items():
+            origin = (
+                f"{info.distribution} {info.version}"
+                if info is not None
+                else "(no installed plugin has this name)"
+            )
+            print(f"  {name.ljust(dwidth)}  {origin}")
+    if order_error is not None:
+        print("finalization order: cannot be resolved (see the error below)")
+        _print_first_result_hooks(pm)
+        print(f"hyperfsdp plugins: error: {order_error}", file=sys.stderr)
+        print(
+            "hyperfsdp plugins: every fully_shard call in this environment raises this "
+            "error until it is fixed",
+            file=sys.stderr,
+        )
+        return 1
     print("finalization order (run by the root after every backward):")
     owners = pm.phase_owners()
     for i, phase in enumerate(pm.finalization_phases(), 1):
         print(f"  {i}. {phase.name}  ({owners.get(phase.name, '?')})")
+    _print_first_result_hooks(pm)
     return 0
+
+
+def _print_first_result_hooks(pm) -> None:
+    print("first-result hooks (asked in this order; the first answer that is not None wins):")
+    hooks = pm.first_result_hooks()
+    hwidth = max(len(hook) for hook in hooks)
+    for hook, impls in hooks.items():
+        listing = ", ".join(f"{name} [{kind}]" if kind else name for name, kind in impls)
+        print(f"  {hook.ljust(hwidth)}  {listing or '-'}")
+    for hook, names in pm.first_result_conflicts().items():
+        print(
+            f"  note: {hook} is answered by {', then '.join(names)}: a later plugin "
+            "decides only where the earlier ones return None"
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,18 +109,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _plugin_commands(sub) -> None:
     """Commands contributed by plugins (``hyperfsdp_cli_commands``)."""
-    from ._plugins import PluginLoadError, get_plugin_manager
+    from ._plugins import PhaseOrderError, PluginLoadError, PluginSelectionError, get_plugin_manager
 
     try:
         pm = get_plugin_manager()
-    except PluginLoadError:
-        return  # `hyperfsdp plugins` reports the broken plugin
+    except (PluginLoadError, PluginSelectionError, PhaseOrderError):
+        return  # `hyperfsdp plugins` reports it
     pm.hook.hyperfsdp_cli_commands(subparsers=sub)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-    parser = build_parser()
+    from ._plugins import PluginSelectionWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        parser = build_parser()  # builds the plugin manager (for plugins' commands)
+    for w in caught:
+        if issubclass(w.category, PluginSelectionWarning):
+            print(f"hyperfsdp: warning: {w.message}", file=sys.stderr)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

@@ -70,12 +70,18 @@ def _worker_main(rank: int, world_size: int, store_path: str, conn, pg_timeout: 
             break
         if header is None:
             break
-        module_name, path, qualname, sys_path = header
+        module_name, path, qualname, sys_path, selection = header
         payload = conn.recv_bytes()
         try:
             for entry in sys_path:
                 if entry not in sys.path:
                     sys.path.append(entry)
+            # the driver's plugin selection (autoload, disabled plugins) as of this call
+            for key, value in selection.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
             fn = _resolve(module_name, path, qualname)
             args, kwargs = pickle.loads(payload)
             _reset_process_state(torch)
@@ -127,6 +133,14 @@ def _reset_process_state(torch) -> None:
 # -- driver side -----------------------------------------------------------------------------------
 
 
+def _plugin_selection() -> dict[str, str | None]:
+    """The driver's plugin-selection variables, which each rank applies for the call (the
+    ranks' plugin manager is rebuilt from them), as the driver's own manager would."""
+    from hyperfsdp_core._plugins import DISABLE_AUTOLOAD_ENV, PLUGINS_DISABLE_ENV
+
+    return {key: os.environ.get(key) for key in (DISABLE_AUTOLOAD_ENV, PLUGINS_DISABLE_ENV)}
+
+
 class RankPool:
     """``world_size`` processes with a shared gloo process group, kept across tests."""
 
@@ -168,7 +182,13 @@ class RankPool:
 
     def run(self, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
         module = sys.modules.get(fn.__module__)
-        header = (fn.__module__, getattr(module, "__file__", None), fn.__qualname__, list(sys.path))
+        header = (
+            fn.__module__,
+            getattr(module, "__file__", None),
+            fn.__qualname__,
+            list(sys.path),
+            _plugin_selection(),
+        )
         payload = pickle.dumps((args, kwargs))
         for conn in self.conns:
             conn.send(header)
