@@ -8,8 +8,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ._plugins import get_plugin_manager
+from ._unit import UnitSpec
 
 if TYPE_CHECKING:
+    from ._param import HSDPParam
     from ._state import FSDPState
 
 
@@ -39,28 +41,116 @@ def _validated_local(p, registered) -> torch.Tensor:
     return local
 
 
+def _in_place(p: HSDPParam, registered, local: torch.Tensor) -> bool:
+    """Whether ``registered`` is still ``p``'s sharded parameter over its own slot of the
+    bucket's flat buffer (a load that copied into it, or a conversion that changed nothing)."""
+    slot = p.padded_slot
+    if (
+        registered is not p.sharded_param
+        or slot is None
+        or local.dtype != slot.dtype
+        or local.device != slot.device
+    ):
+        return False
+    # an empty shard (0 rows on this rank) holds nothing to keep
+    return local.numel() == 0 or (local.data_ptr() == slot.data_ptr() and local.is_contiguous())
+
+
+def _unit_spec_now(state: FSDPState) -> UnitSpec:
+    """The unit as ``hyperfsdp_param_dtypes`` sees it, with its parameters as registered now.
+
+    ``fully_shard`` does not keep its :class:`UnitSpec`; the options a dtype decision reads
+    (the policies, the modules, the parameters and their names relative to the unit) are
+    rebuilt from the unit, and those it does not keep (``shard_placement_fn``,
+    ``dp_mesh_dims``) are ``None``.
+    """
+    group = state.group
+    assert group is not None
+    ours = {id(p.sharded_param) for p in group.params}
+    multi = len(state.modules) > 1
+    named: dict[int, tuple[str, torch.nn.Parameter]] = {}
+    for i, module in enumerate(state.modules):
+        prefix = f"[{i}]." if multi else ""
+        for name, param in module.named_parameters(remove_duplicate=False):
+            if id(param) in ours and id(param) not in named:
+                named[id(param)] = (prefix + name, param)
+    return UnitSpec(
+        modules=tuple(state.modules),
+        named_params=tuple(named.values()),
+        mesh=group.params[0].mesh_info.mesh,
+        reshard_after_forward=None
+        if state.auto_reshard_after_forward
+        else state.reshard_after_forward,
+        shard_placement_fn=None,
+        mp_policy=state.mp_policy,
+        offload_policy=state.offload_policy,
+        dp_mesh_dims=None,
+        replicate_params=frozenset(
+            p.sharded_param for p in group.params if p.mesh_info.kind == "DDP"
+        ),
+    )
+
+
+def _decide_dtypes_again(state: FSDPState, params: list[HSDPParam]) -> None:
+    """Ask ``hyperfsdp_param_dtypes`` again for parameters a conversion gave a new dtype.
+
+    A policy's ``param_dtype=None`` / ``reduce_dtype=None`` follow the parameter's dtype,
+    the new one after ``model.to(torch.bfloat16)``; a dtype the policy names stays (FSDP2
+    derives both from the policy and the parameter's dtype at lazy init).
+    """
+    unit = _unit_spec_now(state)
+    hook = get_plugin_manager().hook.hyperfsdp_param_dtypes
+    for p in params:
+        param_dtype, reduce_dtype = hook(unit=unit, param=p.sharded_param) or (None, None)
+        p.orig_dtype = p.sharded_param.dtype
+        p.param_dtype = param_dtype or p.orig_dtype
+        p.reduce_dtype = reduce_dtype or p.param_dtype
+        acc = p.accumulated_grad  # gradient kept with sync off, in the reduce dtype
+        if acc is not None and acc.dtype != p.reduce_dtype:
+            p.accumulated_grad = acc.to(p.reduce_dtype)
+
+
 def reset_sharded_params(state: FSDPState) -> None:
     """Rebuild the unit's flat sharded storage around its currently registered parameters.
 
-    After ``load_state_dict(assign=True)`` the registered Parameter objects are new;
-    after ``_apply`` (``to``, ``to_empty``, dtype casts) their local tensors are. Either
-    way the actual shards are copied into fresh padded storage (padding zeroed) and the
-    parameters' local tensors become views of it.
+    A ``load_state_dict`` that copied into the sharded parameters (the default) leaves
+    every local tensor a view of its slot: the storage stays as it is (same
+    ``data_ptr``, padding untouched). After ``load_state_dict(assign=True)`` the
+    registered Parameter objects are new; after ``_apply`` (``to``, ``to_empty``,
+    dtype casts) their local tensors are. Then the actual shards are copied into fresh
+    padded storage (padding zeroed), the parameters' local tensors become views of it,
+    and a parameter whose dtype changed has its compute and reduce dtypes decided again.
+    Either way ``hyperfsdp_param_reset`` runs for every parameter.
     """
     group = state.group
     assert group is not None
     group.reshard()
     locals_by_param = {}
+    moved = False
     for p in group.params:
-        local = _validated_local(p, p.registered())
-        if p.registered() is not p.sharded_param:
-            p.sharded_param = p.registered()
-        if local.dtype != p.orig_dtype:
-            same = p.param_dtype == p.orig_dtype
-            p.orig_dtype = local.dtype
-            if same:
-                p.param_dtype = p.reduce_dtype = local.dtype
+        registered = p.registered()
+        local = _validated_local(p, registered)
+        moved = moved or not _in_place(p, registered, local)
         locals_by_param[id(p)] = local.detach()
+    if moved:
+        _rebuild(state, locals_by_param)
+    hook = get_plugin_manager().hook.hyperfsdp_param_reset
+    for p in group.params:
+        hook(param=p.view)
+
+
+def _rebuild(state: FSDPState, locals_by_param: dict[int, torch.Tensor]) -> None:
+    group = state.group
+    assert group is not None
+    retyped = []
+    for p in group.params:
+        registered = p.registered()
+        if registered is not p.sharded_param:
+            p.sharded_param = registered
+        if locals_by_param[id(p)].dtype != p.orig_dtype:
+            retyped.append(p)
+    if retyped:
+        _decide_dtypes_again(state, retyped)
     first = next(iter(locals_by_param.values()))
     device = (
         torch.device("meta") if any(t.is_meta for t in locals_by_param.values()) else first.device
@@ -69,6 +159,3 @@ def reset_sharded_params(state: FSDPState) -> None:
     group.build_sharded(locals_by_param, device)
     if state.ctx is not None:
         state.prepare_group()
-    hook = get_plugin_manager().hook.hyperfsdp_param_reset
-    for p in group.params:
-        hook(param=p.view)
