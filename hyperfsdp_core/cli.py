@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 import warnings
 from collections.abc import Sequence
 
@@ -60,12 +61,20 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     if order_error is not None:
         print("finalization order: cannot be resolved (see the error below)")
         _print_first_result_hooks(pm)
-        print(f"hyperfsdp plugins: error: {order_error}", file=sys.stderr)
         print(
-            "hyperfsdp plugins: every fully_shard call in this environment raises this "
-            "error until it is fixed",
+            "hyperfsdp plugins: error: the plugins' finalization phases cannot be ordered; "
+            "every fully_shard call in this environment raises this until it is fixed:",
             file=sys.stderr,
         )
+        wrapped = textwrap.fill(
+            str(order_error),
+            width=96,
+            initial_indent="  ",
+            subsequent_indent="  ",
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
+        print(wrapped, file=sys.stderr)
         return 1
     print("finalization order (run by the root after every backward):")
     owners = pm.phase_owners()
@@ -83,10 +92,7 @@ def _print_first_result_hooks(pm) -> None:
         listing = ", ".join(f"{name} [{kind}]" if kind else name for name, kind in impls)
         print(f"  {hook.ljust(hwidth)}  {listing or '-'}")
     for hook, names in pm.first_result_conflicts().items():
-        print(
-            f"  note: {hook} is answered by {', then '.join(names)}: a later plugin "
-            "decides only where the earlier ones return None"
-        )
+        print(f"  note: {len(names)} plugins answer {hook}: {', then '.join(names)}")
 
 
 def build_parser() -> argparse.ArgumentParser:

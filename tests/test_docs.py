@@ -115,3 +115,105 @@ def test_hook_has_a_test(hook):
     assert expected in functions_defined_under_tests(), (
         f"no test function named {expected} under tests/"
     )
+
+
+# -- the plugin pages beyond the hooks: paths, PluginComm, wrappers, `hyperfsdp plugins` ----------
+
+PLUGIN_DOCS = [ROOT / "README.md", ROOT / "docs" / "plugins.md", HOOKS_DOC]
+
+
+@pytest.mark.parametrize(
+    "doc", [*PLUGIN_DOCS, ROOT / "docs" / "mixed-precision.md"], ids=lambda p: p.name
+)
+def test_repository_paths_in_plugin_docs_exist(doc):
+    paths = set(re.findall(r"`((?:[\w.-]+/)+[\w.-]+\.(?:py|md|toml))`", doc.read_text()))
+    missing = sorted(p for p in paths if not (ROOT / p).exists() and not (doc.parent / p).exists())
+    assert not missing, f"{doc.relative_to(ROOT)} names files that do not exist: {missing}"
+
+
+def _documented_signature(method) -> str:
+    """``name(a, b, op=ReduceOp.SUM, *, unit=None) -> Work``, as the doc writes it."""
+    parts, star = [], False
+    for param in list(inspect.signature(method).parameters.values())[1:]:
+        if param.kind is param.KEYWORD_ONLY and not star:
+            parts.append("*")
+            star = True
+        if param.default is param.empty:
+            parts.append(param.name)
+        else:
+            default = param.default
+            text = f"ReduceOp.{default.name}" if hasattr(default, "name") else repr(default)
+            parts.append(f"{param.name}={text}")
+    return f"{method.__name__}({', '.join(parts)}) -> Work"
+
+
+def test_plugin_comm_methods_are_documented_with_their_signatures():
+    from hyperfsdp_core.plugin import PluginComm
+
+    text = " ".join(HOOKS_DOC.read_text().split())  # line breaks inside a signature
+    methods = [
+        getattr(PluginComm, name)
+        for name in vars(PluginComm)
+        if not name.startswith("_") and inspect.isfunction(getattr(PluginComm, name))
+    ]
+    assert {m.__name__ for m in methods} == {
+        "all_reduce",
+        "all_gather",
+        "reduce_scatter",
+        "broadcast",
+    }
+    for method in methods:
+        assert f"`{_documented_signature(method)}`" in text, _documented_signature(method)
+    assert "`device` (property)" in text
+
+
+def _section(doc: Path, heading: str) -> str:
+    text = doc.read_text()
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else len(text)]
+
+
+def test_hook_wrapper_example_adjusts_the_winning_answer():
+    import torch
+    from torch import nn
+
+    block = re.findall(r"```python\n(.*?)```", _section(HOOKS_DOC, "Hook wrappers"), re.DOTALL)
+    module = types.ModuleType("plugin_hooks_wrapper_example")
+    exec(compile(block[0], f"<{HOOKS_DOC.name}: wrapper>", "exec"), module.__dict__)
+    pm = build_plugin_manager(autoload=False)
+    pm.register(module, name="wrapper_example")
+    assert pm.first_result_hooks()["hyperfsdp_param_dtypes"][0] == ("wrapper_example", "wrapper")
+    param = nn.Parameter(torch.zeros(2))
+    policy = types.SimpleNamespace(param_dtype=torch.bfloat16, reduce_dtype=None)
+    unit = types.SimpleNamespace(mp_policy=policy)
+    hook = pm.hook.hyperfsdp_param_dtypes
+    # the builtin mixed-precision plugin answers (bf16, bf16); the wrapper changes the reduce dtype
+    assert hook(unit=unit, param=param) == (torch.bfloat16, torch.float32)
+    unit.mp_policy = types.SimpleNamespace(param_dtype=None, reduce_dtype=None)
+    assert hook(unit=unit, param=param) is None
+
+
+def _console_output(doc: Path, command: str = "hyperfsdp plugins") -> list[str]:
+    """The lines a ```console block shows after ``$ <command>``."""
+    for block in re.findall(r"```console\n(.*?)```", doc.read_text(), re.DOTALL):
+        lines = block.splitlines()
+        for i, line in enumerate(lines):
+            if line.startswith(f"$ {command}"):
+                return [out for out in lines[i + 1 :] if not out.startswith("$ ")]
+    raise AssertionError(f"{doc.relative_to(ROOT)} shows no `$ {command}` output")
+
+
+@pytest.mark.parametrize("doc", PLUGIN_DOCS[:2], ids=lambda p: p.name)
+def test_documented_plugins_output_is_the_real_output(doc, monkeypatch, capsys):
+    """The ``hyperfsdp plugins`` output pasted in the docs is this environment's (the dev
+    environment of ``make install``, with every plugin of the repository installed)."""
+    from hyperfsdp_core import _plugins
+    from hyperfsdp_core.cli import main
+
+    monkeypatch.delenv(_plugins.PLUGINS_DISABLE_ENV, raising=False)
+    monkeypatch.delenv(_plugins.DISABLE_AUTOLOAD_ENV, raising=False)
+    monkeypatch.setattr(_plugins, "_manager", None)  # a fresh manager, restored afterwards
+    assert main(["plugins"]) == 0
+    real = capsys.readouterr().out.splitlines()
+    assert _console_output(doc) == real, "paste the output of a real `hyperfsdp plugins` run"
