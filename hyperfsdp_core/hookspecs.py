@@ -8,6 +8,9 @@ root) at the root's first forward and return plain callables (or ``None``) that 
 per-step hot path then calls directly, so a plugin that does not care costs nothing
 per step. Hooks marked *first result* stop at the first implementation that returns
 something other than ``None``; all other hooks call every implementation.
+``@hookimpl(wrapper=True)`` generators wrap the other implementations of a hook (the
+``yield`` returns their result, the wrapper's ``return`` replaces it); ``hyperfsdp
+plugins`` lists who answers each first-result hook, in the order they are asked.
 """
 
 from __future__ import annotations
@@ -232,8 +235,11 @@ def hyperfsdp_finalize_phases() -> Sequence[Phase]:
 
     Called when plugins are registered. The core orders all phases once
     (topologically, ties broken by name); cycles, unknown names and duplicates are
-    errors and roll the registration back. ``core.reduce_scatter_drain`` always runs
-    first. A root captures the order at its lazy init; each phase's ``run(root)``
+    errors (:class:`~hyperfsdp_core.plugin.PhaseOrderError`, naming the plugins) and roll
+    a run-time registration back; between installed plugins the error is raised when the
+    plugin manager is built, so every ``fully_shard`` raises it, with the
+    ``HYPERFSDP_PLUGINS_DISABLE`` setting that leaves one of them out.
+    ``core.reduce_scatter_drain`` always runs first. A root captures the order at its lazy init; each phase's ``run(root)``
     then runs with the root's :class:`~hyperfsdp_core.plugin.RootView` after every
     backward (the root drains unconditionally) and after ``reduce_grads()``: a phase acts
     only on the work collected since its last run, and must be safe with none.
