@@ -319,6 +319,9 @@ def _convert_before_load(module: nn.Module, state_dict, prefix: str, *args) -> N
     state = module._hyperfsdp_state  # type: ignore[attr-defined]
     if state.group is None:
         return
+    # the load copies into the registered parameters: the sharded ones, never unsharded
+    # copies that the next reshard would drop
+    state.group.reshard()
     ours = {id(p.sharded_param): p for p in state.group.params}
     convert = get_plugin_manager().hook.hyperfsdp_load_convert
     for name, param in module.named_parameters(remove_duplicate=False):

@@ -211,3 +211,38 @@ def test_assign_and_to_empty_still_work(run_ranks, world, shapes):
         assert a["adopted"] and a["replaced"] and a["moved"], a
         assert b["replaced"], b
         assert a["losses"] == pytest.approx(b["losses"], rel=1e-5, abs=1e-7)
+
+
+def rank_load_while_unsharded(impl, shapes):
+    """A load while the units hold unsharded parameters (``reshard_after_forward=False``
+    after a forward, or ``unshard()``) lands in the sharded storage, as FSDP2's does."""
+    dims = DIMS[shapes]
+    model, ref = _build(impl, dims)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    _step(model, ref, opt, ropt, 0, dims[0])
+    before = storage_ptrs(model, impl)
+    torch.manual_seed(1)
+    source = {k: v.detach() for k, v in MLPStack(dims).state_dict().items()}
+    sd = _sharded_like(model, source)
+    for unit in _units(model):
+        unit.set_reshard_after_forward(False)
+    with torch.no_grad():
+        model(torch.zeros(2, dims[0]))  # every unit stays unsharded
+    model.load_state_dict(sd)
+    ref.load_state_dict(source)
+    assert storage_ptrs(model, impl) == before
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(full(p.detach()), source[name], atol=0, rtol=0)
+    losses = [_step(model, ref, opt, ropt, step, dims[0]) for step in (1, 2)]
+    assert_close_params(model, ref)
+    return losses
+
+
+@pytest.mark.parametrize("shapes", ["even", "uneven"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_load_while_unsharded(run_ranks, world, shapes):
+    ours = run_ranks(world, rank_load_while_unsharded, "hyperfsdp", shapes)
+    theirs = run_ranks(world, rank_load_while_unsharded, "fsdp2", shapes)
+    for a, b in zip(ours, theirs):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-7)
