@@ -5,7 +5,8 @@ Two ways to call ``fully_shard`` with DTensor parameters (as in FSDP2):
 
 * *TP mesh*: ``parallelize_module(model, root_mesh["tp"], plan)`` then
   ``fully_shard(model, mesh=root_mesh["dp"])`` (or ``root_mesh["dp_replicate", "dp_shard"]``
-  for HSDP). The sharded parameter's mesh is the data-parallel dims followed by the TP dims.
+  for HSDP). The sharded parameter's mesh is the data-parallel dims followed by the TP dims
+  (:func:`join_meshes`); the two meshes need not share a root, their groups must form grids.
 * *full mesh*: ``fully_shard(model, mesh=root_mesh, dp_mesh_dims=DataParallelMeshDims(...))``
   with parameters that are DTensors on ``root_mesh`` itself, ``Replicate()`` on the named
   data-parallel dims. The sharded parameter stays on ``root_mesh``.
@@ -20,6 +21,7 @@ import math
 from collections.abc import Iterable
 
 import attrs
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -36,7 +38,14 @@ from hyperfsdp_core.plugin import (
     hsdp_mesh_info,
 )
 
-from ._torch_private import concatenate, is_strided_shard, root_mesh, strided_shard
+from ._torch_private import (
+    concatenate,
+    is_strided_shard,
+    rank_groups,
+    root_mesh,
+    same_rank_map,
+    strided_shard,
+)
 
 #: The hsdp plugin's phase: it all-reduces over data-parallel replicate groups.
 DP_ALL_REDUCE = "dp.all_reduce"
@@ -69,36 +78,136 @@ def spec_of(unit: UnitSpec, param: DTensor) -> TPSpec:
         tp_dims = tuple(i for i, name in enumerate(names) if name not in dp)
         return TPSpec(compute_mesh, compute, tp_dims, compute_mesh, compute)
     dp_mesh = unit.mesh
-    tp_mesh = sibling_tp_mesh(dp_mesh, compute_mesh)
-    assert tp_mesh is not None  # validated
-    mesh = _joined(dp_mesh, tp_mesh)
+    mesh = join_meshes(dp_mesh, tp_mesh_of(dp_mesh, compute_mesh))  # validated
     placements = (Replicate(),) * dp_mesh.ndim + compute
     return TPSpec(compute_mesh, compute, tuple(range(len(compute))), mesh, placements)
 
 
-def sibling_tp_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh | None:
-    """``tp_mesh`` as sliced from ``dp_mesh``'s root mesh, or ``None`` if it is not such a slice.
+# -- joining a data-parallel mesh and a tensor-parallel mesh --------------------------------------
 
-    Compared by value: a DTensor's ``device_mesh`` may be an equal mesh object of another,
-    earlier root (DTensor caches specs by value), so identity of roots proves nothing.
-    """
-    root = root_mesh(dp_mesh)
-    names = tp_mesh.mesh_dim_names
-    if names is None or root.mesh_dim_names is None or not set(names) <= set(root.mesh_dim_names):
-        return None
-    try:
-        sliced = root[names] if len(names) > 1 else root[names[0]]
-    except (KeyError, RuntimeError, ValueError):  # e.g. names not in the root's order
-        return None
-    return sliced if sliced == tp_mesh else None
+
+class MeshMismatch(ValueError):
+    """Why a data-parallel mesh and a tensor-parallel mesh cannot be joined (no FQNs)."""
 
 
 _joined_meshes: ProcessGroupCache[DeviceMesh] = ProcessGroupCache()
 
 
-def _joined(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
-    """The (dp..., tp...) mesh, one object per pair (DTensors on it compare equal cheaply)."""
-    return _joined_meshes.setdefault((dp_mesh, tp_mesh), lambda: concatenate([dp_mesh, tp_mesh]))
+def tp_mesh_of(dp_mesh: DeviceMesh, param_mesh: DeviceMesh) -> DeviceMesh:
+    """The tensor-parallel mesh to join: the slice of ``dp_mesh``'s root mesh with the
+    parameter's mesh dims where that equals ``param_mesh``, else ``param_mesh``.
+
+    A DTensor's ``device_mesh`` may be an equal mesh object of another, earlier root (DTensor
+    caches specs by value), holding that root's process groups (e.g. gloo where the user put
+    the TP dim on another backend); the sibling slice holds the groups the user meant.
+    """
+    root = root_mesh(dp_mesh)
+    names = param_mesh.mesh_dim_names
+    if names is None or root.mesh_dim_names is None or not set(names) <= set(root.mesh_dim_names):
+        return param_mesh
+    try:
+        sliced = root[names] if len(names) > 1 else root[names[0]]
+    except (KeyError, RuntimeError, ValueError):  # e.g. names not in the root's order
+        return param_mesh
+    return sliced if sliced == param_mesh else param_mesh
+
+
+def join_meshes(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
+    """The (dp..., tp...) mesh the sharded parameters live on, one object per pair (DTensors on
+    it compare equal cheaply); :class:`MeshMismatch` if the two meshes' groups are no grid.
+
+    Validated by ranks, not by where the meshes came from: slices of one root, ``_flatten``,
+    ``_unflatten`` (torchtitan), separate ``init_device_mesh`` calls or explicit rank grids all
+    qualify when their groups form a grid (see :func:`_grid`). Meshes over one rank map are
+    joined as FSDP2 joins them (equal meshes); others get a mesh over this rank's grid made
+    from the two meshes' own process groups.
+    """
+    return _joined_meshes.setdefault((dp_mesh, tp_mesh), lambda: _join(dp_mesh, tp_mesh))
+
+
+def _join(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
+    grid = _grid(dp_mesh, tp_mesh)
+    if same_rank_map(dp_mesh, tp_mesh):
+        try:
+            joined = concatenate([dp_mesh, tp_mesh])
+        except RuntimeError:  # torch's own layout check; the grid check says when it holds
+            pass
+        else:
+            if torch.equal(joined.mesh, grid):
+                return joined
+    groups = [*dp_mesh.get_all_groups(), *tp_mesh.get_all_groups()]
+    names = (*(dp_mesh.mesh_dim_names or ()), *(tp_mesh.mesh_dim_names or ()))
+    return DeviceMesh.from_group(groups, dp_mesh.device_type, mesh=grid, mesh_dim_names=names)
+
+
+def _grid(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> torch.Tensor:
+    """This rank's block of global ranks, shaped ``(*dp_mesh.shape, *tp_mesh.shape)``.
+
+    Checks, for every block (so that every rank raises alike), that the data-parallel groups
+    and the tensor-parallel groups tile the same ranks as grids: in each block, the tensor-
+    parallel group of the rank at data-parallel coordinate ``a`` holds, at each tensor-parallel
+    coordinate ``b``, the rank at coordinate ``a`` of the data-parallel group of column ``b``.
+    Then each data-parallel group meets each tensor-parallel group of its block in exactly one
+    rank, and every data-parallel group holds ranks of one tensor-parallel coordinate (the
+    ranks whose TP-local tensors FSDP shards together are the same TP shard).
+    """
+    dp_groups = [tuple(g) for g in rank_groups(dp_mesh).tolist()]
+    tp_groups = [tuple(g) for g in rank_groups(tp_mesh).tolist()]
+    dp_at, tp_at = _coordinates(dp_groups), _coordinates(tp_groups)
+    if dp_at.keys() != tp_at.keys():
+        raise MeshMismatch(
+            f"the data-parallel mesh covers ranks {_listing(dp_at)} but the tensor-parallel mesh "
+            f"covers ranks {_listing(tp_at)}; both must cover the same ranks (a mesh made by "
+            "DeviceMesh.from_group from one process group knows only that group's ranks: build "
+            "both meshes over the whole rank grid, with init_device_mesh and slicing, _flatten or "
+            "_unflatten, or DeviceMesh.from_group with every group and the full mesh)"
+        )
+    me, done, mine = dist.get_rank(), set(), None
+    for rank in sorted(dp_at):
+        if rank in done:
+            continue
+        column = dp_groups[dp_at[rank][0]]
+        row = tp_groups[tp_at[rank][0]]
+        shared = sorted(set(column) & set(row))
+        if len(shared) > 1:
+            raise MeshMismatch(
+                f"data-parallel group {list(column)} and tensor-parallel group {list(row)} share "
+                f"ranks {shared}; FSDP must shard over other ranks than tensor parallelism. Pass "
+                "the data-parallel mesh (e.g. root_mesh['dp']) orthogonal to the tensor-parallel "
+                "one (root_mesh['tp'])"
+            )
+        block = [tp_groups[tp_at[x][0]] for x in column]
+        for a, ranks in enumerate(block):
+            for b, y in enumerate(ranks):
+                want = dp_groups[dp_at[row[b]][0]]
+                got, at = dp_groups[dp_at[y][0]], dp_at[y][1]
+                if got != want or at != a:
+                    raise MeshMismatch(
+                        "the data-parallel and tensor-parallel groups do not form a grid: rank "
+                        f"{y} is at tensor-parallel coordinate {b} (group {list(ranks)}), so it "
+                        f"must be at data-parallel coordinate {a} of group {list(want)}, but it "
+                        f"is at coordinate {at} of group {list(got)}. Each data-parallel group "
+                        "must hold the ranks of one tensor-parallel coordinate: build both meshes "
+                        "from one rank grid, e.g. init_device_mesh(device, (dp, tp), "
+                        "mesh_dim_names=('dp', 'tp')) and its ['dp'] and ['tp']"
+                    )
+        done.update(y for ranks in block for y in ranks)
+        if me in done and mine is None:
+            mine = block
+    if mine is None:
+        raise MeshMismatch(f"this rank ({me}) is in neither mesh")
+    return torch.tensor(mine, dtype=torch.int).reshape(*dp_mesh.shape, *tp_mesh.shape)
+
+
+def _coordinates(groups: list[tuple[int, ...]]) -> dict[int, tuple[int, int]]:
+    """rank -> (index of its group, its coordinate in it)."""
+    return {rank: (i, c) for i, group in enumerate(groups) for c, rank in enumerate(group)}
+
+
+def _listing(ranks: Iterable[int], most: int = 16) -> str:
+    ranks = sorted(ranks)
+    shown = ", ".join(map(str, ranks[:most]))
+    return f"[{shown}{', ...' if len(ranks) > most else ''}] ({len(ranks)})"
 
 
 def sharded_placements(spec: TPSpec, mesh_info: MeshInfo, shard_dim: int) -> tuple[Placement, ...]:
@@ -253,14 +362,23 @@ def _check_meshes(dp_mesh: DeviceMesh, params: list[tuple[str, DTensor]]) -> Non
             "parallelism. Pass the data-parallel sub-mesh, e.g. mesh=root_mesh['dp'], not "
             "root_mesh['tp']"
         )
-    foreign = [(f, p) for f, p in params if sibling_tp_mesh(dp_mesh, p.device_mesh) is None]
-    if foreign:
+    failures: dict[DeviceMesh, tuple[MeshMismatch, list[str]]] = {}
+    for fqn, p in params:
+        mesh = p.device_mesh
+        if mesh in failures:
+            failures[mesh][1].append(fqn)
+            continue
+        try:
+            join_meshes(dp_mesh, tp_mesh_of(dp_mesh, mesh))
+        except MeshMismatch as exc:
+            failures[mesh] = (exc, [fqn])
+    if failures:
+        mesh, (exc, fqns) = next(iter(failures.items()))
         raise ValueError(
-            f"fully_shard: the data-parallel mesh {dp_mesh.mesh_dim_names} is not a sibling "
-            f"sub-mesh of the tensor-parallel mesh of parameters {_fqns(foreign)} (they come "
-            "from different root meshes). Slice both from one named root mesh: "
-            "parallelize_module(..., root_mesh['tp']) and fully_shard(..., mesh=root_mesh['dp'])"
-        )
+            f"fully_shard: the data-parallel mesh {dp_mesh.mesh_dim_names} and the tensor-parallel "
+            f"mesh {mesh.mesh_dim_names} of parameters {', '.join(map(repr, fqns))} cannot be "
+            f"joined into one (data-parallel, tensor-parallel) mesh: {exc}"
+        ) from None
 
 
 def _check_placements(params: list[tuple[str, DTensor]], tp_dims) -> None:

@@ -8,27 +8,50 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement
 from torch.distributed.tensor.placement_types import _StridedShard
 
 
-def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh ``mesh`` was sliced from (itself for a root mesh).
+def rank_groups(mesh: DeviceMesh) -> torch.Tensor:
+    """Every group of ``mesh``, one row each: shape ``(groups, mesh.size())``, each row the
+    global ranks of one group in the mesh's (row-major) coordinate order.
 
-    FSDP's data-parallel mesh and the tensor-parallel mesh must be sibling slices of one
-    named root mesh, so that their dims can be joined into the sharded parameters' mesh;
+    The data-parallel and tensor-parallel meshes are validated by their ranks (each data-
+    parallel group must meet each tensor-parallel group of its block in one rank, at matching
+    coordinates), the same way on every rank, so every rank needs the other ranks' groups
+    too. A mesh knows them (its layout over its rank map), but publicly it only shows the
+    current rank's group (``mesh.mesh``). A mesh made by ``DeviceMesh.from_group`` from one
+    group knows that group only, and gives that single row.
+    """
+    return mesh._layout.remap_to_tensor(mesh._rank_map).reshape(-1, mesh.size())
+
+
+def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ``mesh`` was sliced, flattened or unflattened from (itself for a root mesh).
+
+    Only to prefer the tensor-parallel mesh the user sliced from the data-parallel mesh's
+    root over an equal mesh object DTensor may hand back instead (see ``_spec.tp_mesh_of``);
     a sub-mesh can tell its root only through this private method.
     """
     return mesh._get_root_mesh()
 
 
+def same_rank_map(a: DeviceMesh, b: DeviceMesh) -> bool:
+    """Whether two meshes index one rank map (e.g. both come from ``init_device_mesh`` over
+    the world, by slicing, ``_flatten`` or ``_unflatten``): ``concatenate`` needs that."""
+    return a._flatten_rank_map == b._flatten_rank_map
+
+
 def concatenate(meshes: Sequence[DeviceMesh]) -> DeviceMesh:
-    """One mesh whose dims are the given sibling meshes' dims, in that order.
+    """One mesh whose dims are the given meshes' dims, in that order (meshes over one rank
+    map, with orthogonal layouts: see ``same_rank_map``).
 
     The sharded parameter is a DTensor over the data-parallel dims followed by the
-    tensor-parallel dims. Slicing the root by name (public) needs the names in the root's
-    order; FSDP2 builds the same mesh with this private method, which takes any order.
+    tensor-parallel dims. FSDP2 builds that mesh with this private method, which also joins
+    meshes of different roots (torchtitan unflattens its world mesh several times) and sub-
+    meshes of one root in any order; the result equals FSDP2's mesh.
     """
     return DeviceMesh._concatenate(list(meshes))
 

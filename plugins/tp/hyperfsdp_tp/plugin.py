@@ -1,7 +1,8 @@
 """The tp plugin: FSDP and HSDP over tensor-parallel (DTensor) parameters.
 
-* Validation (``hyperfsdp_validate_unit``): named sibling meshes of one device type, no
-  data-parallel dim reused by tensor parallelism, no ``Partial`` placements, at most one
+* Validation (``hyperfsdp_validate_unit``): named meshes of one device type whose groups
+  form grids (checked by ranks, wherever the meshes came from), no data-parallel dim reused
+  by tensor parallelism, no ``Partial`` placements, at most one
   tensor-parallel replicate axis per parameter; every error names the FQNs.
 * Topology and layout: FSDP shards each parameter's TP-local tensor on dim 0 (uneven sizes
   use the core's padded storage); the sharded parameter is a DTensor over the data-parallel

@@ -57,9 +57,23 @@ def _case_device_types_differ(root):
     return with_params(weight=weight), {"mesh": root["dp"]}
 
 
-def _case_not_a_sibling(root):
+def _case_dp_groups_are_the_tp_groups(root):
+    # another root's dim with the TP groups' ranks, under another name
     other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("x", "y"))
-    return colwise(root["tp"]), {"mesh": other["x"]}
+    return colwise(root["tp"]), {"mesh": other["y"]}
+
+
+def _case_not_a_grid(root):
+    # dp groups [0, 3], [1, 2] meet the tp groups [0, 1], [2, 3] in one rank each, but hold
+    # ranks of different TP coordinates: FSDP would shard TP shard 0 and 1 together
+    crossed = DeviceMesh("cpu", [[0, 1], [3, 2]], mesh_dim_names=("a", "b"))
+    return colwise(root["tp"]), {"mesh": crossed["a"]}
+
+
+def _case_tp_mesh_of_one_group(root):
+    # from_group of one process group: the mesh does not know the other TP groups
+    tp = DeviceMesh.from_group(root["tp"].get_group(), "cpu", mesh_dim_names=("tp",))
+    return colwise(tp), {"mesh": root["dp"]}
 
 
 def _case_reuses_tp_dim(root):
@@ -82,7 +96,9 @@ def _case_two_replicate_axes(root):
 
 
 def _case_reshard_after_forward_int(root):
-    return colwise(root["tp"]), {"mesh": root["dp"], "reshard_after_forward": 2}
+    # 2 of a 4-rank shard group (1 and the shard size mean False and True, as in FSDP2)
+    mesh = init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "tp"))
+    return colwise(mesh["tp"]), {"mesh": mesh["dp"], "reshard_after_forward": 2}
 
 
 def _case_hsdp_without_hsdp_plugin(root):
@@ -178,9 +194,30 @@ EXPECTED = {
         "ValueError",
         ["mesh is on 'cpu'", "'weight' are on a 'meta' mesh", "one device type"],
     ),
-    "not_a_sibling": (
+    "dp_groups_are_the_tp_groups": (
         "ValueError",
-        ["('x',) is not a sibling sub-mesh", "'weight', 'bias'", "root_mesh['dp']"],
+        [
+            "mesh ('y',) and the tensor-parallel mesh ('tp',) of parameters 'weight', 'bias'",
+            "share ranks",
+            "other ranks than tensor parallelism",
+        ],
+    ),
+    "not_a_grid": (
+        "ValueError",
+        [
+            "mesh ('a',) and the tensor-parallel mesh ('tp',) of parameters 'weight', 'bias'",
+            "do not form a grid",
+            "of group [0, 3], but it is at coordinate 1 of group [1, 2]",
+            "one tensor-parallel coordinate",
+        ],
+    ),
+    "tp_mesh_of_one_group": (
+        "ValueError",
+        [
+            "of parameters 'weight', 'bias' cannot be joined",
+            "covers ranks [0, 1, 2, 3] (4) but the tensor-parallel mesh covers ranks",
+            "DeviceMesh.from_group",
+        ],
     ),
     "reuses_tp_dim": (
         "ValueError",
