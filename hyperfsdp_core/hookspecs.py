@@ -101,6 +101,9 @@ def hyperfsdp_param_dtypes(
 ) -> tuple[torch.dtype | None, torch.dtype | None] | None:
     """Choose the compute (all-gather) dtype and the reduce dtype of one parameter. *First result.*
 
+    Asked in ``fully_shard``, and again for a parameter whose dtype a conversion of the
+    sharded model (``model.to(dtype)``, ``half()``, ``float()``) changed.
+
     :param unit: the ``fully_shard`` call; ``unit.mp_policy`` is the user's policy.
     :param param: the parameter, before sharding.
     :returns: ``(param_dtype, reduce_dtype)``, ``None`` entries meaning the parameter's
