@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ._records import CollectiveEvent
 from ._shm_backend import BACKEND as SHM_BACKEND
 from ._shm_backend import ShmProcessGroup
+from ._torch_private import dispatch_mode_active
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -495,9 +496,11 @@ class Comm:
 
     def shm(self, group):
         """``group``'s shared-memory transport, or None (not gloo, one rank, ``SHM`` off,
-        or some member cannot map the others' memory). Made at the group's first
-        collective, which every member reaches at the same point: making it is
-        collective."""
+        some member cannot map the others' memory, or a dispatch mode is active: see
+        :meth:`gather_route`). Made at the group's first collective outside such a mode,
+        which every member reaches at the same point: making it is collective."""
+        if dispatch_mode_active():
+            return None
         if group in self._shm:
             return self._shm[group]
         transport = None
@@ -524,8 +527,14 @@ class Comm:
           ``GLOO_ALL_GATHER_MIN_BYTES``, some member on another dim);
         - ``"native"``: into a rank-major staging buffer and copied out (through shared
           memory where the group has it, else the backend's own all-gather).
+
+        While a torch dispatch mode is active (``CommDebugMode`` counting collectives, a
+        tracer), every all-gather and reduce-scatter is ``torch.distributed``'s own, as
+        FSDP2 issues them, so that the mode sees each one as what it is: ``"native"``,
+        without shared memory or point-to-point stand-ins. Every rank must then be in such
+        a mode at the same collectives (as every rank runs the same collectives).
         """
-        if not self.uses_all_reduce(group):
+        if not self.uses_all_reduce(group) or dispatch_mode_active():
             return "native"
         if self.shm(group) is not None:
             return "rows" if rows else "native"
@@ -620,7 +629,12 @@ class Comm:
             and shm.ring_order
         ):
             call = lambda: _reduce_scatter_shm(out, inp, op=op, group=group, transport=shm)  # noqa: E731
-        elif scratch_input and inp.is_contiguous() and self.uses_all_reduce(group):
+        elif (
+            scratch_input
+            and inp.is_contiguous()
+            and self.uses_all_reduce(group)
+            and not dispatch_mode_active()  # a mode sees torch.distributed's own (gather_route)
+        ):
             rank, world = self._place(group)
             if self.gloo_p2p and op == dist.ReduceOp.SUM and world == 2:
                 call = lambda: _reduce_scatter_pair(out, inp, op=op, group=group, rank=rank)  # noqa: E731

@@ -60,6 +60,19 @@ def swap_storage_memory(a: torch.UntypedStorage, b: torch.UntypedStorage) -> Non
     a._swap_data_ptr_(b)  # type: ignore[attr-defined]
 
 
+def dispatch_mode_active() -> bool:
+    """Whether a ``TorchDispatchMode`` (``CommDebugMode``, ``FakeTensorMode``, a tracer) is
+    active on this thread.
+
+    Such a mode sees collectives only as the c10d ops ``torch.distributed`` dispatches;
+    the core's shared-memory and point-to-point stand-ins are invisible to it (or look
+    like other collectives), so while one is active the core takes ``torch.distributed``'s
+    own route. torch has no public query of the mode stack; this one reads its length
+    (about 0.1 us).
+    """
+    return torch._C._len_torch_dispatch_stack() > 0  # type: ignore[attr-defined]
+
+
 def group_timeout(group) -> timedelta:
     """The timeout ``group``'s CPU backend was created with (``init_process_group(timeout=)``
     or ``new_group(timeout=)``), or torch's default where it cannot be read.

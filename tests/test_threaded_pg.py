@@ -143,6 +143,9 @@ def train_rank(copies: list[Transformer], impl: str, separate: bool):
         avg = loss.detach().clone()
         dist.all_reduce(avg)
         losses.append(avg.item() / world)
+    if impl == "hyperfsdp":  # the threaded backend is not gloo: torch's own collectives
+        comm = model._hyperfsdp_state.ctx.comm
+        assert not comm.uses_all_reduce(None) and comm.shm(None) is None
     params = {n: full(p.detach()).clone() for n, p in model.named_parameters()}
     return losses, params
 
