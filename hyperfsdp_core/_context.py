@@ -65,6 +65,10 @@ class RootContext:
         if os.environ.get(LOG_TRANSITIONS_ENV):
             self.enable_transition_log()
 
+    def backward_active(self) -> bool:
+        """Whether a backward of this root is running (units' held parameters in use)."""
+        return self.in_backward
+
     def set_comm(self, comm: Comm) -> None:
         """Use ``comm`` for every unit of this root (``share_comm_ctx``)."""
         comm.observers.extend(o for o in self.comm.observers if o not in comm.observers)

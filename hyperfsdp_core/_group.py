@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import _held
 from ._buffers import alias, alloc, free, standalone
 from ._collectives import Comm, Handle
 from ._layout import pack_segments
@@ -35,6 +36,10 @@ from ._reduction import READY, Reduction, reduce_bucket
 if TYPE_CHECKING:
     from ._records import ShardedStorage
     from ._views import UnitView
+
+
+def _never() -> bool:
+    return False
 
 
 class ShardedState(enum.Enum):
@@ -118,10 +123,6 @@ class Bucket:
     @property
     def needs_all_gather(self) -> bool:
         return self.world > 1
-
-    @property
-    def needs_cast(self) -> bool:
-        return self.param_dtype != self.orig_dtype
 
     def refresh_copy_in(self) -> None:
         """Whether the all-gather input (or unsharded parameter) is a copy of the sharded
@@ -544,7 +545,10 @@ class ParamGroup:
         self.fill_input: Callable[[torch.Tensor, torch.Tensor], None] | None = None
         self.divide_factor: float | None = None
         self.post_forward_size: int | None = None
-        self.kept_versions: tuple[int, ...] | None = None
+        # unsharded memory held past the unit's hooks (see ``hold``), and whether the
+        # unit's root is in a backward now (set at lazy init)
+        self.held = False
+        self.backward_active: Callable[[], bool] = _never
         self.custom_all_gather = None
         self.custom_reduce_scatter = None
         self.separate_reduce_group = False
@@ -603,28 +607,26 @@ class ParamGroup:
     def is_sharded(self) -> bool:
         return all(b.state is ShardedState.SHARDED and b.pending is None for b in self.buckets)
 
-    def remember_versions(self) -> None:
-        """Note the sharded parameters' versions while the unsharded ones stay registered.
+    def hold(self) -> None:
+        """The unsharded parameters (or the post-forward shard) stay held past the unit's
+        hooks: an optimizer step that updates them reshards first (see ``_held``)."""
+        if not self.held and (self.is_unsharded or self.holds_post_forward_shard):
+            self.held = True
+            _held.hold(self)
 
-        Parameters kept unsharded (or the post-forward shard) across an optimizer step
-        (``set_reshard_after_backward(False)``, an explicit ``unshard()``, a forward that no
-        backward followed) would be stale; :meth:`drop_if_stale` finds out.
-        """
-        # the DTensor's own version counter: in-place ops on it bump it (its local tensor's
-        # counter is not bumped by DTensor's dispatch)
-        self.kept_versions = tuple(p.sharded_param._version for p in self.params)
+    @property
+    def holds_post_forward_shard(self) -> bool:
+        return any(b._post_forward_shard is not None for b in self.buckets)
 
-    def drop_if_stale(self) -> None:
-        """Reshard if a sharded parameter changed in place since :meth:`remember_versions`
-        while the unsharded parameters or the post-forward shard stayed held."""
-        kept, self.kept_versions = self.kept_versions, None
-        if kept is None:
-            return
-        if not self.is_unsharded and all(b._post_forward_shard is None for b in self.buckets):
-            return
-        now = tuple(p.sharded_param._version for p in self.params)
-        if now != kept:
-            self.reshard()
+    # -- the _held.Holdable protocol --
+    def held_param_ids(self) -> set[int]:
+        return {id(p.sharded_param) for p in self.params}
+
+    def drop_held(self) -> None:
+        self.reshard()
+
+    def in_backward(self) -> bool:
+        return self.backward_active()
 
     @property
     def has_pending(self) -> bool:
@@ -636,8 +638,6 @@ class ParamGroup:
         return not all(b.gathers_in_line(comm) for b in self.buckets)
 
     def unshard(self, comm: Comm) -> None:
-        if self.kept_versions is not None:  # before anything (a prefetch too) reuses it
-            self.drop_if_stale()
         for b in self.buckets:
             b.start_unshard(comm)
 
@@ -646,6 +646,9 @@ class ParamGroup:
             b.finish_unshard(comm)
 
     def reshard(self) -> None:
+        if self.held:
+            self.held = False
+            _held.release(self)
         for b in self.buckets:
             b.reshard()
 

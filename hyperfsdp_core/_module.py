@@ -23,7 +23,7 @@ class UnshardHandle:
         state, self._state = self._state, None
         if state is not None and state.group is not None:
             state.group.wait_for_unshard(state.comm)
-            state.group.remember_versions()
+            state.group.hold()
 
 
 class FSDPModule:
@@ -75,7 +75,7 @@ class FSDPModule:
         if async_op:
             return handle
         handle.wait()
-        group.remember_versions()
+        group.hold()
         return None
 
     def reshard(self) -> None:
