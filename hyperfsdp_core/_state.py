@@ -86,7 +86,14 @@ class RegisterPostBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        ctx.state.post_backward()
+        state = ctx.state
+        root = state.ctx
+        if root is not None and not root.in_backward:
+            # No unit's output-gradient hook ran in this backward (a list unit's module
+            # called on its own, e.g. a chunked loss's head): it still ends with the root
+            # drain, so the gradients land on .grad when it returns, as in FSDP2.
+            root.begin_backward()
+        state.post_backward()
         return (None, *grads)
 
 
@@ -212,12 +219,26 @@ class FSDPState:
                 )
             seen.add(id(state))
             states.append(state)
+        # a tied parameter is named as named_parameters() names it: by its first alias
+        param_fqns = {id(p): n for n, p in root_module.named_parameters()}
+        for state in states:
+            group = state.group
+            if group is None:
+                continue
+            for p in group.params:
+                p.fqn = param_fqns.get(id(p.registered()), p.fqn)
+            if state.needs_reset or any(
+                p.registered() is not p.sharded_param for p in group.params
+            ):
+                # a list unit's modules converted since (to_empty, to), or
+                # a parameter re-assigned since fully_shard (e.g. a DTensor computed from
+                # the sharded one, or materialized from meta): train with it, as FSDP2 does
+                state.reset_sharded_params()
+        check_materialized(states)
         comm = (
             self.comm if self.comm is not None and not self.comm.provisional else Comm(self.device)
         )
         ctx = RootContext(self, states, comm)
-        # a tied parameter is named as named_parameters() names it: by its first alias
-        param_fqns = {id(p): n for n, p in root_module.named_parameters()}
         pm = get_plugin_manager()
         for state in states:
             state.ctx = ctx
@@ -226,10 +247,10 @@ class FSDPState:
                 state.comm.trim()  # a private one from an unshard() before the first forward
             state.comm = comm
             state.fqn = ", ".join(module_names[id(state)])
+        in_backward = ctx.backward_active
         for state in states:
             if state.group is not None:
-                for p in state.group.params:
-                    p.fqn = param_fqns.get(id(p.sharded_param), p.fqn)
+                state.group.backward_active = in_backward
                 state.prepare_group()
             view = state.view
             state.input_transforms = [
@@ -416,10 +437,10 @@ class FSDPState:
                 if raf:  # an int: keep a share of the unsharded parameters in a smaller group
                     self.group.reshard_post_forward()
                 # What stays held past the forward (the root's unsharded parameters, the
-                # post-forward shard) is dropped by the next forward if an optimizer step
-                # changed the shards in between: a forward that no backward follows
-                # (no_grad, inference_mode, eval) leaves it held until then.
-                self.group.remember_versions()
+                # post-forward shard) is dropped before an optimizer step updates the
+                # shards (``_held``): a forward that no backward follows (no_grad,
+                # inference_mode, eval) leaves it held until then.
+                self.group.hold()
             if torch.is_grad_enabled():  # a backward may follow: remember the order
                 self.post_forward_indices.append(len(ctx.post_forward_order))
                 ctx.post_forward_order.append(self)
@@ -598,7 +619,7 @@ class FSDPState:
             if group.has_pending or (self.reshard_after_backward and not keep_unsharded):
                 group.reshard()  # also drops prefetched gathers nobody consumed
             elif group.is_unsharded:
-                group.remember_versions()  # kept: re-gathered if an optimizer steps
+                group.hold()  # kept: dropped before an optimizer steps
 
     # -- recovery -----------------------------------------------------------------------------
     def reset_iter_state(self) -> None:
@@ -616,6 +637,26 @@ class FSDPState:
                 state.group.reshard()
                 for p in state.group.params:
                     p.clear_iteration_grads()
+
+
+def check_materialized(states: list[FSDPState]) -> None:
+    """Fail a forward whose units still have parameters on the meta device, naming them."""
+    on_meta = [
+        p.fqn
+        for state in states
+        if state.group is not None
+        for b in state.group.buckets
+        if b.sharded_flat is not None and b.sharded_flat.is_meta
+        for p in b.params
+    ]
+    if on_meta:
+        raise RuntimeError(
+            f"hyperfsdp: {len(on_meta)} sharded parameter(s) are still on the meta device at "
+            f"the first forward: {', '.join(on_meta)}. Materialize them before training: "
+            "model.to_empty(device=...) allocates every shard on a real device, then "
+            "initialize the values (e.g. call reset_parameters() on each module, or load a "
+            "checkpoint)"
+        )
 
 
 def reduce_grads(states: list[FSDPState]) -> None:
