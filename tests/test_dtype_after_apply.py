@@ -6,8 +6,8 @@ So ``MixedPrecisionPolicy(reduce_dtype=torch.float32)`` and then ``model.to(bf16
 all-gathers in bf16 and still reduces gradients in fp32. Each case records the dtype
 of the unsharded parameters the forward sees, of the reduce-scatter's input and of the
 sharded gradients, on hyperfsdp and on torch's FSDP2 running the same script (for
-conversions before the first forward: FSDP2 decides dtypes at lazy init), and trains
-against the unsharded reference.
+conversions before the first forward: FSDP2 decides dtypes at lazy init and fails a
+conversion after it), and trains against the unsharded reference.
 """
 
 import copy
@@ -208,8 +208,9 @@ def test_dtypes_follow_policy_after_conversion(run_ranks, world, case):
 )
 @pytest.mark.parametrize("world", [2, 4])
 def test_dtypes_follow_policy_after_training(run_ranks, world, case):
-    """Converted after a training step (lazy init done); FSDP2 keeps its lazy-init dtypes
-    then, so only the unsharded reference is the judge."""
+    """Converted after a training step (lazy init done). FSDP2 fixed its dtypes at lazy
+    init and fails the next forward ("Expected out tensor to have dtype BFloat16, but got
+    float"), so only the unsharded reference is the judge."""
     _, _, (sharded, compute, reduce) = CASES[case]
     for rank, a in enumerate(
         run_ranks(world, rank_dtypes_after_conversion, "hyperfsdp", case, "after_step")
