@@ -108,21 +108,29 @@ def build() -> Transformer:
     return Transformer(vocab=VOCAB, dim=16, n_layers=3, hidden=27)
 
 
-def shard_units(model: Transformer, fully_shard, world: int, separate: bool) -> None:
+def shard_units(model: Transformer, fully_shard, layout: str, separate: bool) -> None:
     """A few units with different reshard policies: the blocks to groups of 2 after forward
-    where the world allows an int (a post-forward mesh), the norm kept unsharded after
-    forward, the head and the root as the default."""
-    raf = 2 if world == 4 else True
+    where the shard group allows an int (a post-forward mesh), the norm kept unsharded after
+    forward, the head and the root as the default. ``"hsdp"``: over a (2, world/2) mesh,
+    replicated over its first dim (the hsdp plugin's cached groups)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if layout == "hsdp":
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("rep", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+    raf = 2 if mesh.size(mesh.ndim - 1) == 4 else True
     for block in model.layers:
-        fully_shard(block, reshard_after_forward=raf)
-    fully_shard(model.norm, reshard_after_forward=False)
-    fully_shard(model.output)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh, reshard_after_forward=raf)
+    fully_shard(model.norm, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model.output, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     if separate:  # reduce-scatters on a second group over the shard ranks (cached too)
         model.set_separate_reduce_scatter_group(True)
 
 
-def train_rank(copies: list[Transformer], impl: str, separate: bool):
+def train_rank(copies: list[Transformer], impl: str, layout: str, separate: bool):
     """One thread-rank: shard its copy of the model, train, return the averaged losses and
     the full parameters."""
     model = copies[dist.get_rank()]
@@ -131,7 +139,7 @@ def train_rank(copies: list[Transformer], impl: str, separate: bool):
     else:
         from torch.distributed.fsdp import fully_shard
     world = dist.get_world_size()
-    shard_units(model, fully_shard, world, separate and impl == "hyperfsdp")
+    shard_units(model, fully_shard, layout, separate and impl == "hyperfsdp")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     losses = []
     for step in range(STEPS):
@@ -163,7 +171,7 @@ def train_reference(model: Transformer) -> tuple[list[float], Transformer]:
     return losses, model
 
 
-def threaded_training(world: int, impl: str, separate: bool):
+def threaded_training(world: int, impl: str, layout: str, separate: bool):
     """Runs in one harness rank: trains ``world`` thread-ranks twice in a row (the second
     time with new process groups, so nothing may survive from the first), then checks
     them against the unsharded reference."""
@@ -172,7 +180,7 @@ def threaded_training(world: int, impl: str, separate: bool):
     out = []
     for _ in range(2):
         copies = [copy.deepcopy(model) for _ in range(world)]
-        results = run_threaded(world, train_rank, copies, impl, separate)
+        results = run_threaded(world, train_rank, copies, impl, layout, separate)
         for losses, params in results:
             for got, want in zip(losses, ref_losses):
                 assert abs(got - want) <= 1e-4 * max(1.0, abs(want)), (losses, ref_losses)
@@ -185,10 +193,10 @@ def threaded_training(world: int, impl: str, separate: bool):
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world,layout", [(2, "fsdp"), (4, "fsdp"), (4, "hsdp")])
 @pytest.mark.parametrize("impl", ["hyperfsdp", "fsdp2"])
-def test_threaded_ranks_train_like_the_reference(run_ranks, world, impl):
+def test_threaded_ranks_train_like_the_reference(run_ranks, world, layout, impl):
     """hyperfsdp trains with ranks as threads as FSDP2 does, at world 2 and 4, with a
-    post-forward mesh (world 4) and a separate reduce-scatter group, twice in a row."""
-    (runs,) = run_ranks(1, threaded_training, world, impl, True, timeout=150)
+    post-forward mesh (world 4), a separate reduce-scatter group and HSDP, twice in a row."""
+    (runs,) = run_ranks(1, threaded_training, world, impl, layout, True, timeout=150)
     assert len(runs) == 2 and runs[0] == pytest.approx(runs[1], rel=1e-6)
