@@ -22,7 +22,7 @@ accelerator): random tokens, one document per row; SDPA as the inner attention (
 has no backward on CPU); the model's sharding config set directly; AdamW without the
 learning-rate schedule; FSDP2 told to reduce with SUM (torchtitan turns FSDP's gradient
 division off, which makes FSDP2 use PREMUL_SUM, which gloo lacks; a division by 1.0 either
-way); and one hyperfsdp workaround, ``_rebuild_list_units`` (a core bug, see there).
+way).
 
 torchtitan is not a dependency of hyperfsdp; to run this, install it next to torch without
 touching torch (``pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro
@@ -114,7 +114,6 @@ def build(args, fully_shard_fn):
     torch.manual_seed(0)
     with torch.no_grad():
         model.init_weights(buffer_device=torch.device("cpu"))
-    _rebuild_list_units(model)
     for module in model.modules():
         # torchtitan turned FSDP's gradient division off (it divides the loss by the global
         # token count); FSDP2 then reduces with PREMUL_SUM, which gloo lacks: SUM (and a
@@ -123,17 +122,6 @@ def build(args, fully_shard_fn):
             module.set_force_sum_reduction_for_comms(True)
     model.train()
     return model, dims
-
-
-def _rebuild_list_units(model) -> None:
-    """Work around a hyperfsdp_core bug: a unit of several modules (torchtitan shards
-    ``[norm, lm_head]`` as one) converted by ``to_empty`` rebuilds its sharded storage at its
-    own pre-forward, but the root's lazy init checks for meta storage before that and fails.
-    Rebuilding it here is what that pre-forward would do."""
-    for module in model.modules():
-        state = getattr(module, "_fsdp_state", None)
-        if callable(state) and getattr(state(), "needs_reset", False):
-            state().ensure_storage()
 
 
 def train(args, fully_shard_fn) -> list[float]:
