@@ -19,8 +19,10 @@ from hyperfsdp_core.testing.counting import CollectiveCounter
 from hyperfsdp_core.testing.reference import Transformer, lm_loss, local_slice, token_batch
 
 STEPS = 4
-#: the steps run under ``CommDebugMode``; the first (lazy init) and the last run outside it
-COUNTED = (1, 2)
+#: the steps run under ``CommDebugMode``: the first (lazy init, before any shared memory
+#: is set up) and one after a step outside it (with shared memory set up); the last step
+#: runs outside it again
+COUNTED = (0, 2)
 VOCAB = 33
 
 #: how the core's gloo collectives run: module settings of ``_collectives`` (what the
