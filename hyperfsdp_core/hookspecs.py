@@ -301,20 +301,22 @@ def hyperfsdp_load_convert(param: ParamView, value: torch.Tensor) -> torch.Tenso
 
 @hookspec
 def hyperfsdp_state_dict_post_load(unit: UnitView) -> None:
-    """The unit's module finished ``load_state_dict()``; its storage is rebuilt.
+    """The unit's module finished ``load_state_dict()``.
 
-    :param unit: the unit (its parameters' local tensors are views of the new storage,
-        padding zeroed).
+    :param unit: the unit (its parameters' local tensors are views of its sharded storage,
+        padding zeroed: the same storage with new values after a copying load, rebuilt
+        storage after ``assign=True``).
     :returns: nothing.
     """
 
 
 @hookspec
 def hyperfsdp_param_reset(param: ParamView) -> None:
-    """A managed parameter's sharded storage was rebuilt.
+    """A managed parameter's sharded storage was rebuilt, or loaded in place.
 
-    Called after ``load_state_dict``, ``module.to(...)``/``_apply`` and ``to_empty()``,
-    once the padded communication storage is rebuilt around the (new) shards.
+    Called after ``load_state_dict`` (a copying load keeps the storage and changes the
+    values; ``assign=True`` rebuilds it), ``module.to(...)``/``_apply`` and ``to_empty()``,
+    once the padded communication storage holds the (new) shards.
 
     :param param: the parameter.
     :returns: nothing.
