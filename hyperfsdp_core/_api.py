@@ -265,7 +265,9 @@ def _shard_dim(unit: UnitSpec, fqn: str, param: nn.Parameter) -> int:
     dim = dim + param.ndim if dim < 0 else dim
     if not 0 <= dim < param.ndim:
         raise ValueError(
-            f"shard_placement_fn returned Shard({placement.dim}) for {fqn!r} of shape {tuple(param.shape)}"
+            f"shard_placement_fn returned Shard({placement.dim}) for {fqn!r} of shape "
+            f"{tuple(param.shape)}, which has no dim {placement.dim}: return Shard(d) with "
+            f"-{param.ndim} <= d < {param.ndim}, or None to shard dim 0"
         )
     return dim
 

@@ -44,6 +44,20 @@ def uneven_non_dim0():
     )
 
 
+def shard_dim_out_of_range():
+    def call(m):
+        fully_shard(m, shard_placement_fn=lambda p: Shard(1))
+
+    return expect_error(
+        lambda: nn.Sequential(nn.Linear(4, 4)),
+        call,
+        "'0.bias'",
+        "(4,)",
+        "no dim 1",
+        "None to shard dim 0",
+    )
+
+
 def mixed_plain_and_dtensor():
     mesh = init_device_mesh("cpu", (2,))
 
@@ -139,6 +153,7 @@ def dtensor_params_without_plugin():
 CASES = {
     "scalar": (scalar_param, "ValueError"),
     "uneven_non_dim0": (uneven_non_dim0, "ValueError"),
+    "shard_dim_out_of_range": (shard_dim_out_of_range, "ValueError"),
     "mixed": (mixed_plain_and_dtensor, "ValueError"),
     "shared": (shared_between_units, "ValueError"),
     "reshard_int": (bad_reshard_after_forward, "ValueError"),

@@ -1,6 +1,11 @@
 """Where hyperfsdp must behave as FSDP2 at ``fully_shard`` time and in its setters: each
 case runs the same script on hyperfsdp and on torch's own ``fully_shard`` (gloo, CPU)."""
 
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -215,3 +220,121 @@ def force_sum_rejects_non_bool():
 def test_force_sum_reduction_needs_a_bool(run_ranks):
     for message in run_ranks(2, force_sum_rejects_non_bool):
         assert message is not None and "bool" in message
+
+
+# -- where FSDP2 raises and hyperfsdp works (docs/fsdp2-compat.md, upstream tests) ---------------
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+        self.head = nn.Linear(8 * 4 * 4, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.conv(x)).flatten(1))
+
+
+def conv_batch(step):
+    g = torch.Generator().manual_seed(3000 + step)
+    x = torch.randn(8, 3, 6, 6, generator=g)
+    return x, x
+
+
+def channels_last_params():
+    def build_conv():
+        torch.manual_seed(0)
+        return ConvNet()
+
+    def shard(model):
+        assert not model.conv.weight.is_contiguous()  # channels_last: FSDP2 raises here
+        fully_shard(model.conv)
+        fully_shard(model)
+
+    return train_parity(build_conv, shard, conv_batch, mse_loss, steps=3)["losses"]
+
+
+def test_non_contiguous_parameters_train_like_the_reference(run_ranks):
+    """FSDP2 raises NotImplementedError for non-contiguous (channels_last) parameters;
+    hyperfsdp shards their logical tensor and trains like the unsharded reference."""
+    for losses in run_ranks(2, channels_last_params):
+        assert len(losses) == 3
+
+
+def unnamed_hsdp_mesh():
+    mesh = init_device_mesh("cpu", (2, 2))  # no mesh_dim_names: FSDP2 asserts on them
+
+    def shard(model):
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+
+    return train_parity(build, shard, batch, mse_loss, steps=3)["losses"]
+
+
+def test_hsdp_mesh_without_dim_names_trains_like_the_reference(run_ranks):
+    """FSDP2 requires mesh_dim_names on a 2-D (HSDP) mesh; hyperfsdp uses dim 0 as the
+    replicate dim and dim 1 as the shard dim either way."""
+    pytest.importorskip("hyperfsdp_hsdp")
+    for losses in run_ranks(4, unnamed_hsdp_mesh):
+        assert len(losses) == 3
+
+
+# -- tools/run_fsdp2_upstream.py: the runner of PyTorch's own FSDP2 tests -------------------------
+
+RUNNER_DIR = Path(__file__).resolve().parent.parent / "tools"
+
+UPSTREAM_LIKE = """
+import time
+
+import pytest
+from torch.distributed._composable.fsdp.fully_shard import FSDPModule as OldPathFSDPModule
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+
+def test_names_are_swapped():
+    import hyperfsdp_core
+
+    assert fully_shard is hyperfsdp_core.fully_shard
+    assert FSDPModule is OldPathFSDPModule is hyperfsdp_core.FSDPModule
+    assert MixedPrecisionPolicy is hyperfsdp_core.MixedPrecisionPolicy
+
+
+def test_fails():
+    raise ValueError("boom")
+
+
+def test_skips():
+    pytest.skip("needs a GPU")
+
+
+def test_hangs():
+    time.sleep(60)
+"""
+
+
+def run_runner(test_dir, impl):
+    code = (
+        f"import pathlib, sys; sys.path.insert(0, {str(RUNNER_DIR)!r}); "
+        "import run_fsdp2_upstream as r; "
+        f"code, report = r.run_upstream(pathlib.Path({str(test_dir)!r}), {impl!r}, 2.0); "
+        "print('ROWS', repr(report.rows))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    line = [ln for ln in done.stdout.splitlines() if ln.startswith("ROWS ")]
+    assert line, done.stdout + done.stderr
+    rows = ast.literal_eval(line[-1][5:])
+    return {nodeid.split("::")[-1]: row for nodeid, row in rows.items()}, done.stdout
+
+
+def test_upstream_runner_swaps_names_and_reports_each_test(tmp_path):
+    (tmp_path / "test_upstream_like.py").write_text(UPSTREAM_LIKE)
+    rows, table = run_runner(tmp_path, "hyperfsdp")
+    assert rows["test_names_are_swapped"] == ("passed", "")
+    assert rows["test_fails"] == ("failed", "ValueError: boom")
+    assert rows["test_skips"][0] == "skipped" and "needs a GPU" in rows["test_skips"][1]
+    assert rows["test_hangs"][0] == "failed" and "TIMEOUT" in rows["test_hangs"][1]
+    assert "1 passed" in table and "2 failed" in table and "1 skipped" in table
+    # the baseline leaves torch's FSDP2 in place
+    rows, _ = run_runner(tmp_path, "fsdp2")
+    assert rows["test_names_are_swapped"][0] == "failed"
