@@ -338,3 +338,40 @@ def test_upstream_runner_swaps_names_and_reports_each_test(tmp_path):
     # the baseline leaves torch's FSDP2 in place
     rows, _ = run_runner(tmp_path, "fsdp2")
     assert rows["test_names_are_swapped"][0] == "failed"
+
+
+# -- what FSDP2's private lazy-init tests guard, through the public API ---------------------------
+
+
+def lazy_init_order(impl):
+    shard_fn = IMPLS[impl]
+    outcome = {}
+    torch.manual_seed(0)
+    model = MLPStack(DIMS)
+    shard_fn(model.layers[0])
+    shard_fn(model)
+    model.layers[0](torch.randn(2, DIMS[0])).sum().backward()  # a sub-unit runs first
+    try:
+        model(torch.randn(2, DIMS[0]))
+        outcome["sub_unit_first"] = "accepted"
+    except RuntimeError as exc:
+        outcome["sub_unit_first"] = str(exc)
+    pair = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    shard_fn([pair[0], pair[1]])  # a list unit with no parent unit: no single root
+    try:
+        pair(torch.randn(2, 4))
+        outcome["list_root"] = "accepted"
+    except RuntimeError as exc:
+        outcome["list_root"] = str(exc)
+    return outcome
+
+
+def test_lazy_init_order_errors_match_fsdp2(run_ranks):
+    """FSDP2's tests check these through its private state (``_lazy_init``): a forward
+    through a sub-unit before the root, and a list unit as the root, raise RuntimeError."""
+    ours = run_ranks(2, lazy_init_order, "hyperfsdp")
+    theirs = run_ranks(2, lazy_init_order, "fsdp2")
+    for outcome, fsdp2 in zip(ours, theirs):
+        for case in ("sub_unit_first", "list_root"):
+            assert fsdp2[case] != "accepted"
+            assert outcome[case] != "accepted" and "root" in outcome[case], outcome[case]
