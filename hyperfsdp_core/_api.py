@@ -6,6 +6,7 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import attrs
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -123,6 +124,10 @@ def fully_shard(
     state = FSDPState(modules, group, device, reshard_after_forward)
     state.mp_policy = mp_policy
     state.offload_policy = offload_policy
+    # the call's options for hooks asked again later (dtypes after a conversion), without
+    # the original parameters (their full tensors would stay alive)
+    state.unit_spec = attrs.evolve(unit, named_params=(), replicate_params=frozenset())
+    state.unit_fqns = tuple(fqn for fqn, _ in named)
     for m in modules:
         m.__class__ = fsdp_class(type(m), tuple(mixins))
         m.register_state_dict_pre_hook(_before_state_dict)

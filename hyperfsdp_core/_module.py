@@ -310,7 +310,8 @@ def fsdp_class(orig: type, mixins: tuple[type, ...] = ()) -> type:
         cls = meta(name, bases, {"_hyperfsdp_orig_cls": orig, "_hyperfsdp_mixins": tuple(mixins)})
         cls.__module__ = orig.__module__
         cls.__qualname__ = "FSDP" + orig.__qualname__ if not mixins else name
-        _CLASS_CACHE[key] = cls
+        # setdefault: thread-ranks (torch's threaded process group) may race here
+        cls = _CLASS_CACHE.setdefault(key, cls)
     return cls
 
 

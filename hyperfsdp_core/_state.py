@@ -22,6 +22,7 @@ from ._group import ParamGroup
 from ._plugins import get_plugin_manager
 from ._stash import Stash
 from ._storage import reset_sharded_params
+from ._unit import UnitSpec
 from ._views import UnitView
 
 
@@ -138,12 +139,13 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] | None = None
         self.backward_prefetch: list[FSDPState] | None = None
         self.max_reduce_buffers = 1
-        self.force_sum_reduction = False  # reductions are always SUM here (scaled once)
         # tree-wide settings: the root's values seed its context at lazy init; after it,
         # FSDPModule setters write the context (RootContext.is_last_backward, ...)
         self.is_last_backward = True
         self.post_optim_event = None
         self.mp_policy = None  # set by fully_shard
+        self.unit_spec: UnitSpec | None = None  # fully_shard's options (no parameters)
+        self.unit_fqns: tuple[str, ...] = ()  # group.params' FQNs relative to the unit
         self.offload_policy = None
         self.comm: Comm | None = None  # set at lazy init (or by share_comm_ctx)
         # resolved at lazy init from plugins

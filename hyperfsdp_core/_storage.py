@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import attrs
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -57,34 +58,13 @@ def _in_place(p: HSDPParam, registered, local: torch.Tensor) -> bool:
 
 
 def _unit_spec_now(state: FSDPState) -> UnitSpec:
-    """The unit as ``hyperfsdp_param_dtypes`` sees it, with its parameters as registered now.
-
-    ``fully_shard`` does not keep its :class:`UnitSpec`; the options a dtype decision reads
-    (the policies, the modules, the parameters and their names relative to the unit) are
-    rebuilt from the unit, and those it does not keep (``shard_placement_fn``,
-    ``dp_mesh_dims``) are ``None``.
-    """
+    """The unit's ``fully_shard`` spec with its parameters as registered now (the objects a
+    load with ``assign=True`` may have replaced), for ``hyperfsdp_param_dtypes``."""
     group = state.group
-    assert group is not None
-    ours = {id(p.sharded_param) for p in group.params}
-    multi = len(state.modules) > 1
-    named: dict[int, tuple[str, torch.nn.Parameter]] = {}
-    for i, module in enumerate(state.modules):
-        prefix = f"[{i}]." if multi else ""
-        for name, param in module.named_parameters(remove_duplicate=False):
-            if id(param) in ours and id(param) not in named:
-                named[id(param)] = (prefix + name, param)
-    return UnitSpec(
-        modules=tuple(state.modules),
-        named_params=tuple(named.values()),
-        mesh=group.params[0].mesh_info.mesh,
-        reshard_after_forward=None
-        if state.auto_reshard_after_forward
-        else state.reshard_after_forward,
-        shard_placement_fn=None,
-        mp_policy=state.mp_policy,
-        offload_policy=state.offload_policy,
-        dp_mesh_dims=None,
+    assert group is not None and state.unit_spec is not None
+    return attrs.evolve(
+        state.unit_spec,
+        named_params=tuple(zip(state.unit_fqns, (p.sharded_param for p in group.params))),
         replicate_params=frozenset(
             p.sharded_param for p in group.params if p.mesh_info.kind == "DDP"
         ),
