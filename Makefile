@@ -19,11 +19,12 @@ $(PY):
 	$(PYTHON) -m venv $(dir $(PY))..
 
 # Installs whatever is missing: torch (pinned CPU build) if absent, the core
-# editable with its test/demo/lint/bench extras (bench: matplotlib, for the charts and
-# their test; users get it only with hyperfsdp[bench]), and every plugin under plugins/.
-$(STAMP): $(PY) pyproject.toml $(wildcard plugins/*/pyproject.toml examples/*/pyproject.toml)
+# editable with its test/demo/lint extras, every plugin under plugins/ and examples/, and
+# the benchmark suite benchmarks/ (hyperfsdp-bench: `hyperfsdp bench`, a plugin adding
+# that command) with its charts extra (matplotlib, for the charts and their test).
+$(STAMP): $(PY) pyproject.toml benchmarks/pyproject.toml $(wildcard plugins/*/pyproject.toml examples/*/pyproject.toml)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install $(TORCH_PIN)
-	$(PY) -m pip install -q -e ".[test,demo,lint,bench]" $(foreach d,$(PLUGIN_DIRS),-e $(d))
+	$(PY) -m pip install -q -e ".[test,demo,lint]" $(foreach d,$(PLUGIN_DIRS),-e $(d)) -e "./benchmarks[charts]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -46,7 +47,9 @@ charts: install
 lint: install
 	$(PY) -m ruff check .
 
-# Wheels of the core and of every plugin under plugins/ (pip install --find-links $(DIST_DIR) ...)
+# Wheels of the core and of every plugin under plugins/ (pip install --find-links $(DIST_DIR) ...).
+# Not the benchmark suite: it is a tool for the checkout (results go to benchmarks/results,
+# charts to docs/charts); `pip wheel --no-deps benchmarks` builds it if you want one.
 dist: install wheels
 
 # the wheels alone, with the build tools already in $(PY) (tests build them in a copy)
@@ -55,4 +58,4 @@ wheels:
 	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w $(DIST_DIR) . $(sort $(dir $(wildcard plugins/*/pyproject.toml)))
 
 clean:
-	rm -rf build dist *.egg-info hyperfsdp_core/*.egg-info plugins/*/*.egg-info plugins/*/build examples/*/*.egg-info examples/*/build
+	rm -rf build dist *.egg-info hyperfsdp_core/*.egg-info plugins/*/*.egg-info plugins/*/build examples/*/*.egg-info examples/*/build benchmarks/*.egg-info benchmarks/build

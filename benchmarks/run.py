@@ -5,6 +5,6 @@ if __name__ == "__main__":
     import warnings
 
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-    from hyperfsdp_core.bench import main
+    from hyperfsdp_bench.cli import main
 
     sys.exit(main())

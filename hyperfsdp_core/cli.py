@@ -103,12 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser("plugins", help="list installed plugins and the finalization order")
     p.set_defaults(func=_cmd_plugins)
-    from . import _planning, bench, demo
+    from . import _planning, demo
 
     _planning.add_parser(sub)
     demo.add_parser(sub)
-    if bench.available():  # the suite ships with the source checkout, not the wheel
-        bench.add_parser(sub)
     _plugin_commands(sub)
     return parser
 

@@ -3,20 +3,18 @@ chart data and tables, on made-up results."""
 
 from __future__ import annotations
 
+import ast
 import json
 import sys
+from pathlib import Path
 
 import pytest
-
-from hyperfsdp_core.bench import benchmarks_dir
-
-sys.path.insert(0, str(benchmarks_dir()))
-
 from hyperfsdp_bench import charts, report, suite, timeline
 from hyperfsdp_bench.cases import PRESETS, Case, select_cases
 from hyperfsdp_bench.impls import family, is_distributed, parse_impl
 
 MiB = 1024 * 1024
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_parse_impl_and_families():
@@ -249,7 +247,7 @@ def test_merge_results_later_wins():
 
 
 def test_charts_are_drawn(tmp_path):
-    # matplotlib comes with `make install` (the bench extra): a missing one fails here
+    # matplotlib comes with `make install` (hyperfsdp-bench[charts]): a missing one fails here
     case = _case("even", 2, 4, {"hyperfsdp": 0.3, "fsdp2": 0.35})
     case["timelines"] = {"hyperfsdp": [_timeline()], "fsdp2": [_timeline()]}
     results = {"cases": [case, _case("even", 2, 8, {"hyperfsdp": 0.5, "fsdp2": 0.6})]}
@@ -358,7 +356,7 @@ def test_host_overhead_bound_skeleton_trains_like_the_floor():
     FSDP2's, equal the plain model's bit for bit (no timing is checked)."""
     import subprocess
 
-    script = benchmarks_dir() / "host_overhead_bound.py"
+    script = ROOT / "benchmarks" / "host_overhead_bound.py"
     out = subprocess.run(
         [sys.executable, str(script), "--steps", "3", "--warmup", "1", "--clock", "wall"],
         capture_output=True,
@@ -369,3 +367,38 @@ def test_host_overhead_bound_skeleton_trains_like_the_floor():
     rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()[2:]}
     assert sorted(rows) == ["floor", "fsdp2", "hyperfsdp", "skeleton"]
     assert all(rows[m][-1] == "True" for m in ("skeleton", "hyperfsdp", "fsdp2"))
+
+
+def _bench_references(source: str) -> list[str]:
+    """What in ``source`` reaches the benchmark suite: imports of ``hyperfsdp_bench`` (at
+    any depth: lazy ones in functions and ``TYPE_CHECKING`` blocks too) and string
+    constants naming it or the ``benchmarks`` folder (``import_module``, ``sys.path``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.split(".")[0] == "hyperfsdp_bench"]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == (
+            "hyperfsdp_bench"
+        ):
+            found.append(node.module)
+        elif isinstance(node, ast.Constant) and str(node.value).split(".")[0] in (
+            "hyperfsdp_bench",
+            "benchmarks",
+        ):
+            found.append(repr(node.value))
+    return found
+
+
+def test_core_never_imports_the_benchmark_suite():
+    """The suite is its own distribution (``benchmarks/``, hyperfsdp-bench) that adds
+    ``hyperfsdp bench`` through the plugin hook; nothing in hyperfsdp_core reaches it."""
+    synthetic = "def f():\n    import hyperfsdp_bench.suite\n    return Path('x') / 'benchmarks'\n"
+    assert _bench_references(synthetic) == ["hyperfsdp_bench.suite", "'benchmarks'"]
+    assert _bench_references("from hyperfsdp_bench import names") == ["hyperfsdp_bench"]
+    core = ROOT / "hyperfsdp_core"
+    found = {
+        str(path.relative_to(ROOT)): refs
+        for path in sorted(core.rglob("*.py"))
+        if (refs := _bench_references(path.read_text()))
+    }
+    assert found == {}

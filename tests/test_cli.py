@@ -11,7 +11,13 @@ import sys
 import pytest
 
 from hyperfsdp_core import hookimpl
-from hyperfsdp_core._plugins import DISABLE_AUTOLOAD_ENV, FIRST_PHASE, Phase, get_plugin_manager
+from hyperfsdp_core._plugins import (
+    DISABLE_AUTOLOAD_ENV,
+    FIRST_PHASE,
+    PLUGINS_DISABLE_ENV,
+    Phase,
+    get_plugin_manager,
+)
 from hyperfsdp_core.cli import main
 
 VERSION = importlib.metadata.version("hyperfsdp")
@@ -176,6 +182,32 @@ def test_bench_lists_its_cases(capsys):
         assert case in out
     assert "tp w4 L8                 impls: hyperfsdp, fsdp2, floor\n" in out
     assert "host-overhead w1 L64" in out and "host-overhead w2 L64" in out
+
+
+@pytest.mark.parametrize("env", [PLUGINS_DISABLE_ENV, DISABLE_AUTOLOAD_ENV])
+def test_bench_is_a_plugin_command(env, monkeypatch, capsys):
+    """``hyperfsdp bench`` comes from the hyperfsdp-bench distribution (``benchmarks/``)
+    through ``hyperfsdp_cli_commands``, as any plugin's command: installed (``make install``)
+    it is there, listed as plugin ``bench``; not loaded, the core has no such command."""
+    (ep,) = [e for e in importlib.metadata.entry_points(group="hyperfsdp") if e.name == "bench"]
+    assert (ep.value, ep.dist.name) == ("hyperfsdp_bench.plugin", "hyperfsdp-bench")
+    assert main(["plugins"]) == 0
+    assert plugin_rows(capsys.readouterr().out)["bench"] == ("hyperfsdp-bench", VERSION)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert re.search(r"^\s+bench\s+benchmark hyperfsdp", capsys.readouterr().out, re.MULTILINE)
+
+    from hyperfsdp_core import _plugins
+
+    monkeypatch.setenv(env, "bench" if env == PLUGINS_DISABLE_ENV else "1")
+    monkeypatch.setattr(_plugins, "_manager", None)  # a fresh manager, restored afterwards
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert not re.search(r"^\s+bench\s", capsys.readouterr().out, re.MULTILINE)
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--list"])
+    assert info.value.code == 2
+    assert "invalid choice: 'bench'" in capsys.readouterr().err
 
 
 def test_demo_help_describes_parity(capsys):

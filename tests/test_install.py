@@ -4,7 +4,9 @@ The fresh environment reuses this interpreter's torch (and the few packages the
 wheels depend on) through a ``.pth`` file that points at a folder holding only those
 distributions, so pip sees them installed and needs no index; hyperfsdp and its
 plugins come from the wheels alone (``--no-index``). From that install: the plugins
-load, a 2-rank smoke run goes through each, and the ``hyperfsdp`` command works.
+load, a 2-rank smoke run goes through each, and the ``hyperfsdp`` command works. The
+benchmark suite (``benchmarks/``, hyperfsdp-bench) is not among ``make dist``'s wheels: built
+apart and installed, it adds ``hyperfsdp bench`` as a plugin adds a command.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -64,7 +67,7 @@ def _reuse_folder(folder: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def wheels(tmp_path_factory) -> Path:
+def source(tmp_path_factory) -> Path:
     # setuptools builds in the source tree: build from a copy of it, so that test runs
     # (xdist workers, CI) never share a build folder
     source = tmp_path_factory.mktemp("source") / "hyperfsdp"
@@ -75,6 +78,11 @@ def wheels(tmp_path_factory) -> Path:
             ".git", ".venv", "dist", "build", "*.egg-info", "__pycache__", "results"
         ),
     )
+    return source
+
+
+@pytest.fixture(scope="module")
+def wheels(source, tmp_path_factory) -> Path:
     dist = tmp_path_factory.mktemp("dist")
     proc = subprocess.run(
         ["make", "-s", "-C", str(source), "wheels", f"DIST_DIR={dist}", f"PY={sys.executable}"],
@@ -84,6 +92,17 @@ def wheels(tmp_path_factory) -> Path:
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return dist
+
+
+@pytest.fixture(scope="module")
+def bench_wheel(source, tmp_path_factory) -> Path:
+    """The benchmark suite's wheel, built apart from ``make dist``'s (from the same copy)."""
+    out = tmp_path_factory.mktemp("bench_dist")
+    build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+             "-w", str(out), str(source / "benchmarks")]  # fmt: skip
+    proc = subprocess.run(build, capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return out
 
 
 def _fresh_env(tmp: Path, wheels: Path, requirement: str) -> Path:
@@ -238,7 +257,7 @@ def _check_install(tmp: Path, wheels: Path, extras: list[str], requested: str = 
     assert "parity with the single-process reference: OK" in demo.stdout
 
     helptext = _run(python, "-m", "hyperfsdp_core", "--help", cwd=work).stdout
-    assert " bench " not in helptext  # the benchmark suite ships with the checkout only
+    assert " bench " not in helptext  # the benchmark suite is a distribution of its own
     bench = _run(python, "-m", "hyperfsdp_core", "bench", cwd=work)
     assert bench.returncode == 2 and "invalid choice: 'bench'" in bench.stderr
 
@@ -260,9 +279,47 @@ def test_wheels_are_built_for_the_core_and_every_plugin(wheels):
         "hyperfsdp_" + p.parent.name for p in (ROOT / "plugins").glob("*/pyproject.toml")
     )
     assert built == sorted(["hyperfsdp", *plugins])
+    (core,) = wheels.glob("hyperfsdp-*.whl")
+    files = zipfile.ZipFile(core).namelist()
+    assert "hyperfsdp_core/cli.py" in files
+    assert not [f for f in files if "bench" in f]  # the suite is not in the core's wheel
 
 
 def test_all_extra_installs_every_plugin_from_wheels(wheels, tmp_path):
     extras = ["dcp", "hsdp", "offload", "tp"]
     assert _available(wheels, tuple(extras)) == extras
     _check_install(tmp_path, wheels, extras, requested="all")
+
+
+def test_bench_wheel_adds_the_bench_command(wheels, bench_wheel, tmp_path):
+    """Installed from its own wheel, hyperfsdp-bench brings its plugins (hsdp, tp, offload)
+    and the ``hyperfsdp bench`` command; ``HYPERFSDP_PLUGINS_DISABLE=bench`` takes it away."""
+    (wheel,) = bench_wheel.glob("*.whl")
+    files = zipfile.ZipFile(wheel).namelist()
+    assert "hyperfsdp_bench/plugin.py" in files and "hyperfsdp_bench/suite.py" in files
+    assert not [f for f in files if f.startswith("hyperfsdp_core/")]
+    python = _fresh_env(tmp_path, wheels, str(wheel))
+    work = tmp_path / "work"
+    work.mkdir()
+    plugins = _run(python, "-m", "hyperfsdp_core", "plugins", cwd=work)
+    assert plugins.returncode == 0, plugins.stderr
+    for name, dist in [
+        ("bench", "hyperfsdp-bench"),
+        *((e, EXTRAS[e]) for e in ("hsdp", "tp", "offload")),
+    ]:
+        assert re.search(rf"^\s+{name}\s+{dist}\s", plugins.stdout, re.MULTILINE), plugins.stdout
+    listing = _run(python, "-m", "hyperfsdp_core", "bench", "--list", "--config", "tp", cwd=work)
+    assert listing.returncode == 0, listing.stderr
+    assert listing.stdout == (
+        "tp w4 L8                 impls: hyperfsdp, fsdp2, floor\n"
+        "tp w2 L8                 impls: hyperfsdp, fsdp2, floor\n"
+    )
+    helptext = _run(python, "-m", "hyperfsdp_core", "bench", "--help", cwd=work).stdout
+    assert "./hyperfsdp-bench-results/latest.json" in helptext  # not inside site-packages
+
+    env_python = [str(python), "-m", "hyperfsdp_core", "bench", "--list"]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["HYPERFSDP_PLUGINS_DISABLE"] = "bench"
+    off = subprocess.run(env_python, capture_output=True, text=True, cwd=work, env=env,
+                         timeout=TIMEOUT)  # fmt: skip
+    assert off.returncode == 2 and "invalid choice: 'bench'" in off.stderr

@@ -1,4 +1,4 @@
-"""PNG charts from benchmark results (matplotlib: the ``bench`` extra, ``pip install -e '.[bench]'``).
+"""PNG charts from benchmark results (matplotlib: the ``charts`` extra, ``pip install -e 'benchmarks[charts]'``).
 
 - ``timeline-<case>.png``: heap in use over one step (rank 0), one panel per
   implementation, with each block's forward and backward start, the optimizer step and
@@ -119,7 +119,7 @@ def _plt():
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise SystemExit(
             "hyperfsdp bench --charts needs matplotlib (a benchmark-only extra): "
-            "pip install -e '.[bench]'  (or: make charts)"
+            "pip install -e 'benchmarks[charts]'  (or: make charts)"
         ) from exc
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -15,6 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from .cases import Case
+from .cli import results_dir
 from .impls import needs_process_group
 from .launch import RankPool
 
@@ -221,7 +222,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--impl", action="append", help="default: hyperfsdp and fsdp2")
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "results")
+    p.add_argument("--out", type=Path, default=results_dir())
     p.add_argument("--top", type=int, default=25)
     p.add_argument(
         "--timer",

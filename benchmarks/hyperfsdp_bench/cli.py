@@ -1,8 +1,9 @@
 """``hyperfsdp bench``: hyperfsdp vs torch FSDP2 vs DDP vs a compute-only floor, side by side.
 
-The suite itself lives in the checkout's ``benchmarks/`` folder (next to this
-package), not in the installed distribution; this module only parses the
-command line, finds that folder and runs it. See ``benchmarks/README.md``.
+This package (``hyperfsdp-bench``, the checkout's ``benchmarks/`` folder) adds the command
+through the ``hyperfsdp_cli_commands`` hook, as any plugin adds its commands (see
+:mod:`hyperfsdp_bench.plugin`); the core knows nothing of it. Install it with
+``pip install -e benchmarks`` (``make install`` does). See ``benchmarks/README.md``.
 """
 
 from __future__ import annotations
@@ -12,38 +13,18 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from . import names
 
-def _checkout_benchmarks() -> Path:
-    import hyperfsdp_core
-
-    return Path(hyperfsdp_core.__file__).resolve().parent.parent / "benchmarks"
-
-
-def available() -> bool:
-    """Whether the suite is here: a source checkout (``pip install -e .``), not a wheel."""
-    return (_checkout_benchmarks() / "hyperfsdp_bench" / "__init__.py").is_file()
+#: the ``benchmarks/`` folder when this package is installed from the checkout (editable)
+_CHECKOUT = Path(__file__).resolve().parent.parent
 
 
-def _names():
-    """The suite's configuration and implementation names (``hyperfsdp_bench.names``)."""
-    path = benchmarks_dir()
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))  # spawned rank processes inherit sys.path
-    from hyperfsdp_bench import names
-
-    return names
-
-
-def benchmarks_dir() -> Path:
-    """The checkout's ``benchmarks/`` folder (a clear error when this is not a checkout)."""
-    path = _checkout_benchmarks()
-    if not available():
-        raise SystemExit(
-            f"hyperfsdp bench: the benchmark suite is not at {path}. It ships with the source "
-            "checkout, not the wheel: clone the repository and install it editable "
-            "(pip install -e .), then run `hyperfsdp bench` (or `make bench`) there."
-        )
-    return path
+def results_dir() -> Path:
+    """Where results go by default: ``benchmarks/results`` in a checkout (editable
+    install), else ``hyperfsdp-bench-results`` in the working directory."""
+    if (_CHECKOUT / "pyproject.toml").is_file() and (_CHECKOUT / "run.py").is_file():
+        return _CHECKOUT / "results"
+    return Path.cwd() / "hyperfsdp-bench-results"
 
 
 def _positive(value: str) -> int:
@@ -54,7 +35,6 @@ def _positive(value: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    names = _names()
     preset = p.add_mutually_exclusive_group()
     preset.add_argument(
         "--quick",
@@ -124,7 +104,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         dest="json_path",
         type=Path,
         metavar="PATH",
-        help="where to write the results (default benchmarks/results/latest.json)",
+        help="where to write the results (default benchmarks/results/latest.json in the "
+        "checkout, else ./hyperfsdp-bench-results/latest.json)",
     )
     p.add_argument(
         "--markdown", type=Path, metavar="PATH", help="also write the tables as Markdown"
@@ -139,7 +120,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--charts",
         type=Path,
         metavar="DIR",
-        help="draw PNG charts into DIR (needs matplotlib: pip install -e '.[bench]'): the "
+        help="draw PNG charts into DIR (needs matplotlib: pip install -e 'benchmarks[charts]'): "
+        "the "
         "memory timelines of cases run with --timeline, and step time / peak memory against "
         "layers and world size from the cases of the scaling sweep that ran",
     )
@@ -170,11 +152,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
-    path = benchmarks_dir()
-    names = _names()  # puts the suite on sys.path
-    from hyperfsdp_bench.cases import PRESETS, select_cases
-    from hyperfsdp_bench.suite import Options
-    from hyperfsdp_bench.suite import run as run_suite
+    from .cases import PRESETS, select_cases
+    from .suite import Options
+    from .suite import run as run_suite
 
     opts = Options(
         preset=args.preset,
@@ -187,13 +167,13 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
         warmup=args.warmup,
         threads=args.threads,
         check=args.check,
-        json_path=args.json_path or path / "results" / "latest.json",
+        json_path=args.json_path or results_dir() / "latest.json",
         markdown_path=args.markdown,
         timeline=args.timeline,
         charts_dir=args.charts,
     )
     if args.replot:
-        from hyperfsdp_bench.suite import replot
+        from .suite import replot
 
         return replot(args.replot, opts)
     if args.list:
@@ -205,7 +185,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hyperfsdp_core.bench`` (the same as ``hyperfsdp bench``)."""
+    """``python -m hyperfsdp_bench`` or ``python benchmarks/run.py`` (= ``hyperfsdp bench``)."""
     parser = argparse.ArgumentParser(prog="hyperfsdp bench")
     add_arguments(parser)
     args = parser.parse_args(argv)
