@@ -250,6 +250,21 @@ class RootView:
         ``reset_iter_state()`` (drop in-flight work there)."""
         return self._hyperfsdp_ctx.stash
 
+    def drain_reductions(self) -> None:
+        """Finish every pending gradient reduction of this root, oldest first.
+
+        During a backward each unit's post-backward issues its reduce-scatters and leaves
+        them pending (a few stay in flight to overlap with the backward). For each pending
+        post-backward this waits for its collectives, runs the unit's reducers
+        (``hyperfsdp_gradient_reducers``) and lands on ``.grad`` what no reducer deferred
+        or consumed. The core's ``core.reduce_scatter_drain`` phase
+        (:data:`~hyperfsdp_core.plugin.FIRST_PHASE`) is this call, so later phases find
+        nothing pending; a plugin may call it earlier (from a hook during the backward) to
+        have the gradients reduced so far land now. With nothing pending it does nothing.
+        Call it on the training thread, never from inside a reducer.
+        """
+        self._hyperfsdp_ctx.drain_reductions()
+
     def __repr__(self) -> str:
         return f"RootView({len(self.units)} units)"
 

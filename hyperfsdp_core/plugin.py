@@ -15,7 +15,8 @@ refuses to load it on a mismatch.
   data in each view's ``stash`` under a :class:`StashKey`; :func:`unit_of` gives a
   sharded module's unit (from a mixin's methods, say).
 - Topology: :class:`MeshInfo` and :func:`fsdp_mesh_info`, :func:`hsdp_mesh_info`,
-  :func:`ddp_mesh_info`; :class:`ProcessGroupCache` for groups a plugin creates.
+  :func:`ddp_mesh_info`; :class:`ProcessGroupCache` for groups a plugin creates;
+  :func:`placements_for` gives the core's default placements for a topology.
 - Layout and storage records returned by hooks: :class:`ParamLayout`,
   :class:`ShardedStorage`.
 - Communication: :class:`PluginComm` (``root.comm``) issues async collectives and
@@ -33,6 +34,7 @@ from ._mesh_info import (
     hsdp_mesh_info,
     mesh_device,
 )
+from ._param import placements_for
 from ._plugins import (
     API_ATTRIBUTE,
     API_VERSION,
@@ -81,6 +83,7 @@ __all__ = [
     "hookimpl",
     "hsdp_mesh_info",
     "mesh_device",
+    "placements_for",
     "supports_api",
     "unit_of",
 ]

@@ -1,5 +1,9 @@
 """The core's own plugin: input validation, 1-D mesh topology, the default parameter layout,
-gradient landing and load conversion, and the reduce-scatter drain phase."""
+gradient landing and load conversion, and the reduce-scatter drain phase.
+
+Written like any third-party plugin: it uses only the public plugin API
+(``hyperfsdp_core.plugin``), which ``tests/test_public_api.py`` checks.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +11,20 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .._mesh_info import MeshInfo, ProcessGroupCache, fsdp_mesh_info
-from .._param import placements_for
-from .._plugins import FIRST_PHASE, Phase, hookimpl
-from .._records import ParamLayout
-from .._unit import UnitSpec
-from .._views import ParamView, RootView, UnitView
+from hyperfsdp_core.plugin import (
+    FIRST_PHASE,
+    MeshInfo,
+    ParamLayout,
+    ParamView,
+    Phase,
+    ProcessGroupCache,
+    RootView,
+    UnitSpec,
+    UnitView,
+    fsdp_mesh_info,
+    hookimpl,
+    placements_for,
+)
 
 _mesh_infos: ProcessGroupCache[MeshInfo] = ProcessGroupCache()
 
@@ -105,7 +117,7 @@ def hyperfsdp_load_convert(param: ParamView, value: torch.Tensor) -> torch.Tenso
 
 
 def _drain(root: RootView) -> None:
-    root._hyperfsdp_ctx.drain_reductions()
+    root.drain_reductions()
 
 
 @hookimpl

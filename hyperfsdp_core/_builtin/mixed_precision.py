@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from ..plugin import UnitSpec, hookimpl
+from hyperfsdp_core.plugin import UnitSpec, hookimpl
 
 
 def _cast(dtype: torch.dtype, x):
