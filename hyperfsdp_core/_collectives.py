@@ -2,6 +2,9 @@
 
 The rest of the core calls :class:`Comm`: it issues one collective and returns a
 :class:`Handle` whose ``wait()`` makes the result usable by the caller's compute.
+Which way the bytes move is a :class:`Transport`'s choice (the communication seam): a
+unit's own (a plugin's ``hyperfsdp_transport``, FSDP2's ``set_custom_*`` comm objects),
+else the root's default (:class:`GlooTransport` on CPU, torch's own elsewhere).
 On CPU the ranks of one host all-gather and reduce-scatter through shared memory
 (``_shm.py``: done when issued), and otherwise the gloo worker threads communicate
 while the training thread computes; on accelerators collectives run on dedicated
@@ -42,21 +45,36 @@ _broadcast = dist.broadcast
 #: (``_reduce_scatter_pair``) and an all-reduce in place on the engine's own pack over more
 #: (``_reduce_scatter_in_place``). Every one gives gloo's own results bit for bit.
 #: ``HYPERFSDP_GLOO_NATIVE_COLLECTIVES=1`` (read when a root's communication state is
-#: created) uses gloo's own instead. Figures: docs/performance.md.
-GLOO_ALL_REDUCE = os.environ.get("HYPERFSDP_GLOO_NATIVE_COLLECTIVES", "") != "1"
+#: created) uses gloo's own instead. Figures: docs/performance.md. ``None``: the
+#: environment decides; tests set ``True``/``False`` (as for the two settings below).
+GLOO_ALL_REDUCE: bool | None = None
 #: ... except all-gathers of less than this many bytes (the full, unsharded size): for those
 #: gloo's own all-gather wins on latency (one exchange where an all-reduce makes two: 0.35
 #: against 0.55 ms for 4 KiB at world 2) and its full-size buffer is too small to matter.
 #: ``HYPERFSDP_GLOO_ALL_GATHER_MIN_BYTES`` overrides it (read when a root's communication
 #: state is created); figures in docs/performance.md.
-GLOO_ALL_GATHER_MIN_BYTES = int(os.environ.get("HYPERFSDP_GLOO_ALL_GATHER_MIN_BYTES", 1 << 20))
+GLOO_ALL_GATHER_MIN_BYTES: int | None = None
 #: Ranks of one host exchange all-gathers and sum-reduce-scatters through shared
 #: memory instead (``_shm.py``): one copy in and one out, no socket, no worker thread; at
 #: world 2 a 16 MiB all-gather takes 3.5 ms against 10 for gloo's own. Used on gloo groups
 #: whose members all map each other's segments (decided together at a group's first
 #: collective); ``HYPERFSDP_SHM=0`` (read when a root's communication state is created)
 #: keeps gloo and the stand-ins above. Figures: docs/performance.md.
-SHM = os.environ.get("HYPERFSDP_SHM", "") != "0"
+SHM: bool | None = None
+
+
+def gloo_settings() -> tuple[bool, int, bool]:
+    """``(GLOO_ALL_REDUCE, GLOO_ALL_GATHER_MIN_BYTES, SHM)`` as they are now: the module's
+    values where set, else the environment's (read each time a comm is made)."""
+    env = os.environ
+    gloo = GLOO_ALL_REDUCE
+    if gloo is None:
+        gloo = env.get("HYPERFSDP_GLOO_NATIVE_COLLECTIVES", "") != "1"
+    min_bytes = GLOO_ALL_GATHER_MIN_BYTES
+    if min_bytes is None:
+        min_bytes = int(env.get("HYPERFSDP_GLOO_ALL_GATHER_MIN_BYTES", 1 << 20))
+    shm = SHM if SHM is not None else env.get("HYPERFSDP_SHM", "") != "0"
+    return gloo, min_bytes, shm
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -179,6 +197,198 @@ def _reduce_scatter_in_place(
         output.copy_(chunk)
         return None
     return _CopyAfterWait(work, partial(output.copy_, chunk))
+
+
+class Transport:
+    """How a unit's collectives move bytes: the communication seam (``plugin.Transport``).
+
+    A bucket asks its transport once per collective, and the transport picks its route.
+    Built from FSDP2 comm objects (``torch.distributed.fsdp``'s ``AllGather`` and
+    ``ReduceScatter``: ``allocate(sizes, *, dtype, device)`` plus ``__call__``), so any
+    FSDP2 custom comm works as a transport, and an ``all_reduce(tensor, group, op,
+    async_op=)`` callable; a part left ``None`` is ``torch.distributed``'s own collective
+    (or, for the core's composition of ``set_custom_*`` with a plugin's transport, the
+    ``fallback`` transport's). A collective returns a ``Work`` (waited for by the core) or
+    ``None`` when it completed in the call. A plugin returns one from the
+    ``hyperfsdp_transport`` hook (docs/plugin_hooks.md), or subclasses it to route by
+    group, size or dtype.
+
+    Transports that can gather straight into a unit's own (param-major) unsharded buffer,
+    without a rank-major staging buffer, override :meth:`gather_route` and the matching
+    :meth:`all_gather_rows` / :meth:`all_gather_in_place`; a transport whose collectives
+    complete when issued says so in :meth:`gathers_in_line` (the core then does not
+    prefetch them: it would overlap nothing).
+    """
+
+    def __init__(
+        self,
+        all_gather=None,
+        reduce_scatter=None,
+        all_reduce: Callable | None = None,
+        *,
+        fallback: Transport | None = None,
+    ) -> None:
+        self.all_gather_comm = all_gather
+        self.reduce_scatter_comm = reduce_scatter
+        self.all_reduce_fn = all_reduce
+        self.fallback = fallback
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(all_gather={self.all_gather_comm!r}, "
+            f"reduce_scatter={self.reduce_scatter_comm!r}, all_reduce={self.all_reduce_fn!r}, "
+            f"fallback={self.fallback!r})"
+        )
+
+    # -- buffers -------------------------------------------------------------------------
+    def allocator(self, use: str):
+        """The comm object whose ``allocate`` makes the buffers of ``use`` (``"gather"``:
+        all-gather outputs, ``"reduce"``: reduce-scatter inputs), or ``None``: the core's
+        own pooled buffers."""
+        comm = self.all_gather_comm if use == "gather" else self.reduce_scatter_comm
+        if comm is not None:
+            return comm
+        return self.fallback.allocator(use) if self.fallback is not None else None
+
+    # -- the collectives -----------------------------------------------------------------
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
+        """Gather every rank's ``input`` into ``output`` (rank-major)."""
+        if self.all_gather_comm is not None:
+            return self.all_gather_comm(output, input, group, async_op=async_op)
+        if self.fallback is not None:
+            return self.fallback.all_gather(output, input, group, async_op)
+        return _all_gather(output, input, group=group, async_op=async_op)
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group,
+        op,
+        async_op: bool,
+        *,
+        scratch_input: bool = False,
+    ):
+        """Reduce ``input`` over ``group``; this rank's chunk into ``output``.
+        ``scratch_input``: the caller gives ``input`` up (the transport may overwrite it)."""
+        if self.reduce_scatter_comm is not None:
+            return self.reduce_scatter_comm(output, input, group, op, async_op=async_op)
+        if self.fallback is not None:
+            return self.fallback.reduce_scatter(
+                output, input, group, op, async_op, scratch_input=scratch_input
+            )
+        return _reduce_scatter(output, input, op=op, group=group, async_op=async_op)
+
+    def all_reduce(self, tensor: torch.Tensor, group, op, async_op: bool):
+        """All-reduce ``tensor`` in place over ``group``."""
+        if self.all_reduce_fn is not None:
+            return self.all_reduce_fn(tensor, group, op, async_op=async_op)
+        if self.fallback is not None:
+            return self.fallback.all_reduce(tensor, group, op, async_op)
+        return _all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+    # -- gathers into the unit's own layout (optional) -----------------------------------
+    def gather_route(self, group, nbytes: int, rows: bool) -> str:
+        """How an all-gather of ``nbytes`` (unsharded) over ``group`` runs: ``"native"``
+        (:meth:`all_gather` into a rank-major buffer, copied out), ``"rows"``
+        (:meth:`all_gather_rows`; only where ``rows``: every member is sharded on dim 0)
+        or ``"in_place"`` (:meth:`all_gather_in_place`). Asked only when the all-gather
+        input is the sharded storage itself (no plugin fills it)."""
+        if self.all_gather_comm is None and self.fallback is not None:
+            return self.fallback.gather_route(group, nbytes, rows)
+        return "native"
+
+    def all_gather_rows(self, rows: list[torch.Tensor], rank: int, group):
+        """Gather into ``(world, n)`` views of the unsharded buffer whose row ``rank`` this
+        rank has written: every peer's row of each view, into place."""
+        if self.fallback is None:
+            raise NotImplementedError(f"{type(self).__name__} has no 'rows' all-gather")
+        return self.fallback.all_gather_rows(rows, rank, group)
+
+    def all_gather_in_place(self, buffer: torch.Tensor, group):
+        """Gather into ``buffer`` in its own layout: this rank has written its parts and
+        zeroed the rest."""
+        if self.fallback is None:
+            raise NotImplementedError(f"{type(self).__name__} has no in-place all-gather")
+        return self.fallback.all_gather_in_place(buffer, group)
+
+    def gathers_in_line(self, group) -> bool:
+        """Whether an all-gather over ``group`` completes in the call that issues it. Must
+        not itself run a collective (it is asked inside decisions)."""
+        if self.all_gather_comm is None and self.fallback is not None:
+            return self.fallback.gathers_in_line(group)
+        return False
+
+
+def compose_transport(
+    all_gather=None, reduce_scatter=None, transport: Transport | None = None
+) -> Transport | None:
+    """A unit's transport: FSDP2 comm objects (``set_custom_all_gather`` /
+    ``set_custom_reduce_scatter``) over a plugin's ``transport``; ``None`` where neither is
+    given (the root's default transport)."""
+    if all_gather is None and reduce_scatter is None:
+        return transport
+    return Transport(all_gather, reduce_scatter, fallback=transport)
+
+
+class GlooTransport(Transport):
+    """The core's default on CPU: shared memory between the ranks of one host, else the
+    gloo stand-ins (point-to-point all-gathers, in-place all-reduce reduce-scatters), else
+    gloo's own. Its settings live on its :class:`Comm` (read when the comm is made)."""
+
+    def __init__(self, comm: Comm) -> None:
+        super().__init__()
+        self.comm = comm
+
+    def __repr__(self) -> str:
+        return "GlooTransport()"
+
+    def gather_route(self, group, nbytes: int, rows: bool) -> str:
+        route = self.comm.gather_route(group, nbytes, rows)
+        return "in_place" if route == "all_reduce" else route
+
+    def gathers_in_line(self, group) -> bool:
+        # only a transport already made: making one is a collective, never run from a
+        # decision (before it exists the gather is issued as if asynchronous, and makes it)
+        return self.comm.shm_made(group) is not None
+
+    def all_gather(self, output, input, group, async_op):
+        shm = self.comm.shm(group)
+        if shm is not None:
+            return _all_gather_shm(output, input, group=group, transport=shm)
+        return _all_gather(output, input, group=group, async_op=async_op)
+
+    def all_gather_rows(self, rows, rank, group):
+        shm = self.comm.shm(group)
+        if shm is not None:
+            return _all_gather_rows_shm(rows, group=group, transport=shm)
+        return _all_gather_p2p(rows, rank, group=group)
+
+    def all_gather_in_place(self, buffer, group):
+        return _all_gather_by_all_reduce(buffer, group=group, async_op=True)
+
+    def reduce_scatter(self, output, input, group, op, async_op, *, scratch_input=False):
+        comm = self.comm
+        if (
+            op == dist.ReduceOp.SUM
+            and input.is_contiguous()
+            and (shm := comm.shm(group)) is not None
+            and shm.ring_order
+        ):
+            return _reduce_scatter_shm(output, input, op=op, group=group, transport=shm)
+        if (
+            scratch_input
+            and input.is_contiguous()
+            and comm.uses_all_reduce(group)
+            and not dispatch_mode_active()  # a mode sees torch.distributed's own (gather_route)
+        ):
+            rank, world = comm._place(group)
+            if comm.gloo_p2p and op == dist.ReduceOp.SUM and world == 2:
+                return _reduce_scatter_pair(output, input, op=op, group=group, rank=rank)
+            return _reduce_scatter_in_place(
+                output, input, op=op, group=group, async_op=True, rank=rank, world=world
+            )
+        return _reduce_scatter(output, input, op=op, group=group, async_op=async_op)
 
 
 @attrs.define
@@ -384,15 +594,23 @@ class Comm:
         )
         #: parked memory of resharded unsharded buffers (CPU)
         self.storage_pool = StoragePool() if self.is_cpu else None
+        gloo, min_bytes, shm = gloo_settings()
         #: all-gathers and reduce-scatters as in-place all-reduces on gloo groups
-        self.gloo_all_reduce = self.is_cpu and GLOO_ALL_REDUCE
-        self.all_gather_min_bytes = GLOO_ALL_GATHER_MIN_BYTES
+        self.gloo_all_reduce = self.is_cpu and gloo
+        self.all_gather_min_bytes = min_bytes
         self.gloo_p2p = GLOO_P2P_ALL_GATHER  # dim-0 buckets: point-to-point all-gathers
         self._is_gloo: dict = {}  # group -> whether its backend is gloo
         self._places: dict = {}  # group -> (this rank in it, its size)
         #: shared-memory transports of gloo groups on one host (``_shm.py``)
-        self.use_shm = self.gloo_all_reduce and SHM
+        self.use_shm = self.gloo_all_reduce and shm
         self._shm: dict = {}  # group -> ShmGroup, or None where gloo is kept
+        #: what carries collectives that no unit transport (``hyperfsdp_transport``,
+        #: ``set_custom_*``) takes: the gloo routes above on CPU, torch's own elsewhere
+        self.transport: Transport = GlooTransport(self) if self.is_cpu else Transport()
+        # (unit view, its parameter group), for the collectives plugins issue through
+        # ``root.comm`` with ``unit=<fqn>``; by fqn once first asked (named by then)
+        self._unit_pairs: list = []
+        self._unit_transports: dict[str, Transport] | None = None
         self.all_gather_stream = self.reduce_stream = None
         #: accelerators: true from the root's pre-forward (once the all-gather stream waits
         #: for the optimizer step: ``set_post_optim_event``'s event, else the whole current
@@ -408,11 +626,15 @@ class Comm:
             self.reduce_stream = self._module.Stream(device=device)
 
     # -- buffers -------------------------------------------------------------------------
-    def buffer(self, numel: int, dtype: torch.dtype, use: str, custom=None) -> torch.Tensor:
+    def buffer(
+        self, numel: int, dtype: torch.dtype, use: str, transport: Transport | None = None
+    ) -> torch.Tensor:
         """A communication buffer for ``use`` (``"gather"`` or ``"reduce"``).
 
-        ``custom.allocate`` decides where it lives if given (FSDP2-style custom comms).
+        The ``allocate`` of ``transport``'s comm object for ``use`` decides where it lives
+        if it has one (FSDP2-style custom comms); otherwise a pooled buffer (CPU).
         """
+        custom = transport.allocator(use) if transport is not None else None
         if custom is None and self.pools is not None:
             if use == "reduce":  # the memory a unit's reshard just parked, if of this size
                 storage = self.storage_pool.take(numel * dtype.itemsize)
@@ -439,10 +661,13 @@ class Comm:
         if self.all_gather_stream is not None:
             self.all_gather_stream.wait_stream(self._module.current_stream())
 
-    def recycle(self, tensor: torch.Tensor | None, use: str, custom=None) -> None:
+    def recycle(
+        self, tensor: torch.Tensor | None, use: str, transport: Transport | None = None
+    ) -> None:
         """``tensor`` (from :meth:`buffer`) is no longer used by the caller's stream: pooled
-        on CPU; on accelerators a gather buffer's stream is ordered for its reuse (the
-        caller drops the tensor after this)."""
+        on CPU (unless ``transport`` allocated it); on accelerators a gather buffer's
+        stream is ordered for its reuse (the caller drops the tensor after this)."""
+        custom = transport.allocator(use) if transport is not None else None
         if use == "gather":
             self.release_gathered()
         if self.pools is not None and tensor is not None and custom is None:
@@ -516,6 +741,17 @@ class Comm:
         self._shm[group] = transport
         return transport
 
+    def shm_made(self, group):
+        """``group``'s shared-memory transport if it has been made (None otherwise, and
+        while a dispatch mode is active): what :meth:`shm` returns, without making it."""
+        if dispatch_mode_active():
+            return None
+        if group in self._shm:
+            return self._shm[group]
+        if isinstance(group, ShmProcessGroup) and self.use_shm:
+            return group.made_transport
+        return None
+
     def gather_route(self, group, nbytes: int, rows: bool) -> str:
         """How an all-gather of ``nbytes`` (unsharded) over ``group`` runs. ``rows``: every
         member is sharded on dim 0, so each rank's part is one row of each member's
@@ -543,17 +779,17 @@ class Comm:
         return "rows" if rows and self.gloo_p2p else "all_reduce"
 
     # -- collectives ---------------------------------------------------------------------
-    # ``custom`` is an FSDP2-style comm object (``set_custom_all_gather`` /
-    # ``set_custom_reduce_scatter``): ``custom(output, input, group, [op,] async_op=...)``.
-    # The module-level ``_all_gather`` etc. are looked up at call time (tests count them).
-    # ``unit`` names the unit for observers; ``prepare`` (all-gather only) runs on the
-    # communication stream right before the collective (copy-in of the input).
+    # ``transport`` is the unit's (``hyperfsdp_transport``, ``set_custom_*``), or None: the
+    # root's default (:attr:`transport`). The transport picks the route; the module-level
+    # ``_all_gather`` etc. are looked up at call time (tests count them). ``unit`` names
+    # the unit for observers; ``prepare`` (all-gathers) runs on the communication stream
+    # right before the collective (the copy-in of the input).
     def all_gather(
         self,
         out: torch.Tensor,
         inp: torch.Tensor,
         group,
-        custom=None,
+        transport: Transport | None = None,
         *,
         unit=None,
         prepare=None,
@@ -562,46 +798,79 @@ class Comm:
         """``ordered`` (accelerators): ``inp`` needs no ordering beyond the root's
         (:attr:`gathers_ordered`) and ``out`` is fresh from :meth:`gather_allocation`, so
         the all-gather does not wait for the current stream."""
-        self.stats.all_gathers += 1
-        self.stats.all_gather_bytes += out.numel() * out.element_size()
-        if self.observers:
-            self._observe("all_gather", group, out, unit)
-        if custom is not None:
-            call = lambda: custom(out, inp, group, async_op=self.is_cpu)  # noqa: E731
-        elif (shm := self.shm(group)) is not None:
-            call = lambda: _all_gather_shm(out, inp, group=group, transport=shm)  # noqa: E731
-        else:
-            call = lambda: _all_gather(out, inp, group=group, async_op=self.is_cpu)  # noqa: E731
+        self._count_gather(out, group, unit)
+        t = self._route(transport)
+        call = lambda: t.all_gather(out, inp, group, self.is_cpu)  # noqa: E731
         wait = not (ordered and self.gathers_ordered)
         return self._issue(self.all_gather_stream, call, (out, inp), prepare, wait)
 
-    def all_gather_in_place(self, buffer: torch.Tensor, group, *, unit=None, prepare) -> Handle:
-        """All-gather into ``buffer`` in its own layout (``uses_all_reduce(group)`` only):
-        ``prepare`` writes this rank's parts and zeroes the rest, then an all-reduce."""
-        self.stats.all_gathers += 1
-        self.stats.all_gather_bytes += buffer.numel() * buffer.element_size()
-        if self.observers:
-            self._observe("all_gather", group, buffer, unit)
-        call = lambda: _all_gather_by_all_reduce(buffer, group=group, async_op=True)  # noqa: E731
+    def all_gather_in_place(
+        self, buffer: torch.Tensor, group, transport: Transport | None = None, *, unit=None, prepare
+    ) -> Handle:
+        """All-gather into ``buffer`` in its own layout (route ``"in_place"``): ``prepare``
+        writes this rank's parts and zeroes the rest."""
+        self._count_gather(buffer, group, unit)
+        t = self._route(transport)
+        call = lambda: t.all_gather_in_place(buffer, group)  # noqa: E731
         return self._issue(None, call, (buffer,), prepare)
 
-    def all_gather_p2p(
-        self, buffer: torch.Tensor, rows: list[torch.Tensor], rank: int, group, *, unit, prepare
+    def all_gather_rows(
+        self,
+        buffer: torch.Tensor,
+        rows: list[torch.Tensor],
+        rank: int,
+        group,
+        transport: Transport | None = None,
+        *,
+        unit,
+        prepare,
     ) -> Handle:
-        """All-gather into ``buffer`` row by row (gloo, all members on dim 0): ``prepare``
-        writes this rank's row of every ``rows`` view, then each row goes to every peer,
-        through shared memory (``_all_gather_rows_shm``) or point-to-point
-        (``_all_gather_p2p``)."""
+        """All-gather into ``buffer`` row by row (route ``"rows"``, all members on dim 0):
+        ``prepare`` writes this rank's row of every ``rows`` view, then each row goes to
+        every peer."""
+        self._count_gather(buffer, group, unit)
+        t = self._route(transport)
+        call = lambda: t.all_gather_rows(rows, rank, group)  # noqa: E731
+        return self._issue(None, call, (buffer,), prepare)
+
+    def add_unit_transports(self, pairs: list) -> None:
+        """``(unit view, its parameter group)`` pairs of a root's units: the group's
+        ``plugin_transport`` (``hyperfsdp_transport``) carries what plugins issue for it."""
+        self._unit_pairs = self._unit_pairs + [p for p in pairs if p not in self._unit_pairs]
+        self._unit_transports = None
+
+    def unit_transport(self, unit: str | None) -> Transport | None:
+        """The plugin transport of the unit named ``unit`` (its fqn), or None."""
+        if unit is None or not self._unit_pairs:
+            return None
+        if self._unit_transports is None:
+            self._unit_transports = {
+                view.fqn: group.plugin_transport
+                for view, group in self._unit_pairs
+                if group.plugin_transport is not None
+            }
+        return self._unit_transports.get(unit)
+
+    def _count_gather(self, buffer: torch.Tensor, group, unit) -> None:
         self.stats.all_gathers += 1
         self.stats.all_gather_bytes += buffer.numel() * buffer.element_size()
         if self.observers:
             self._observe("all_gather", group, buffer, unit)
-        shm = self.shm(group)
-        if shm is not None:
-            call = lambda: _all_gather_rows_shm(rows, group=group, transport=shm)  # noqa: E731
-        else:
-            call = lambda: _all_gather_p2p(rows, rank, group=group)  # noqa: E731
-        return self._issue(None, call, (buffer,), prepare)
+
+    def _route(self, transport: Transport | None) -> Transport:
+        """The transport a collective runs on: the unit's, else the root's default. While a
+        torch dispatch mode is active (``CommDebugMode``, a tracer) the core's default
+        routes are torch's own (see :meth:`gather_route`)."""
+        return self.transport if transport is None else transport
+
+    def gather_route_of(self, transport: Transport | None, group, nbytes: int, rows: bool) -> str:
+        """The route of an all-gather whose input is the sharded storage itself (see
+        :meth:`Transport.gather_route`)."""
+        return self._route(transport).gather_route(group, nbytes, rows)
+
+    def gathers_in_line(self, transport: Transport | None, group) -> bool:
+        """Whether an all-gather over ``group`` completes when issued (CPU only)."""
+        return self.is_cpu and self._route(transport).gathers_in_line(group)
 
     def reduce_scatter(
         self,
@@ -609,7 +878,7 @@ class Comm:
         inp: torch.Tensor,
         group,
         op,
-        custom=None,
+        transport: Transport | None = None,
         *,
         unit=None,
         scratch_input: bool = False,
@@ -620,38 +889,21 @@ class Comm:
         self.stats.reduce_scatter_bytes += inp.numel() * inp.element_size()
         if self.observers:
             self._observe("reduce_scatter", group, inp, unit)
-        if custom is not None:
-            call = lambda: custom(out, inp, group, op, async_op=self.is_cpu)  # noqa: E731
-        elif (
-            op == dist.ReduceOp.SUM
-            and inp.is_contiguous()
-            and (shm := self.shm(group)) is not None
-            and shm.ring_order
-        ):
-            call = lambda: _reduce_scatter_shm(out, inp, op=op, group=group, transport=shm)  # noqa: E731
-        elif (
-            scratch_input
-            and inp.is_contiguous()
-            and self.uses_all_reduce(group)
-            and not dispatch_mode_active()  # a mode sees torch.distributed's own (gather_route)
-        ):
-            rank, world = self._place(group)
-            if self.gloo_p2p and op == dist.ReduceOp.SUM and world == 2:
-                call = lambda: _reduce_scatter_pair(out, inp, op=op, group=group, rank=rank)  # noqa: E731
-            else:
-                call = lambda: _reduce_scatter_in_place(  # noqa: E731
-                    out, inp, op=op, group=group, async_op=True, rank=rank, world=world
-                )
-        else:
-            call = lambda: _reduce_scatter(out, inp, op=op, group=group, async_op=self.is_cpu)  # noqa: E731
+        t = self._route(transport)
+        call = lambda: t.reduce_scatter(  # noqa: E731
+            out, inp, group, op, self.is_cpu, scratch_input=scratch_input
+        )
         return self._issue(self.reduce_stream, call, (out, inp))
 
-    def all_reduce(self, tensor: torch.Tensor, group, op, *, unit=None) -> Handle:
+    def all_reduce(
+        self, tensor: torch.Tensor, group, op, transport: Transport | None = None, *, unit=None
+    ) -> Handle:
         self.stats.all_reduces += 1
         self.stats.all_reduce_bytes += tensor.numel() * tensor.element_size()
         if self.observers:
             self._observe("all_reduce", group, tensor, unit)
-        call = lambda: _all_reduce(tensor, op=op, group=group, async_op=self.is_cpu)  # noqa: E731
+        t = self._route(transport)
+        call = lambda: t.all_reduce(tensor, group, op, self.is_cpu)  # noqa: E731
         return self._issue(self.reduce_stream, call, (tensor,))
 
     def broadcast(self, tensor: torch.Tensor, src: int, group, *, unit=None) -> Handle:
@@ -702,7 +954,9 @@ class PluginComm:
     the work already queued on the current stream, and ``wait()`` makes the current
     stream wait for it (the host does not block). Tensors passed in are kept alive
     until the work is waited for. ``unit`` (a unit's ``fqn``) labels the collective
-    for ``hyperfsdp_collective_observer``; counts appear in the core's statistics.
+    for ``hyperfsdp_collective_observer`` and runs it on that unit's transport
+    (``hyperfsdp_transport``) where a plugin gave one; counts appear in the core's
+    statistics.
     """
 
     __slots__ = ("_hyperfsdp_comm",)
@@ -719,14 +973,16 @@ class PluginComm:
         self, tensor: torch.Tensor, group, op=dist.ReduceOp.SUM, *, unit: str | None = None
     ) -> Work:
         """All-reduce ``tensor`` in place over ``group``."""
-        return self._hyperfsdp_comm.all_reduce(tensor, group, op, unit=unit)
+        comm = self._hyperfsdp_comm
+        return comm.all_reduce(tensor, group, op, comm.unit_transport(unit), unit=unit)
 
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, group, *, unit: str | None = None
     ) -> Work:
         """Gather every rank's ``input`` into ``output`` (``group size * input.numel()``
         elements, rank-major)."""
-        return self._hyperfsdp_comm.all_gather(output, input, group, unit=unit)
+        comm = self._hyperfsdp_comm
+        return comm.all_gather(output, input, group, comm.unit_transport(unit), unit=unit)
 
     def reduce_scatter(
         self,
@@ -738,7 +994,9 @@ class PluginComm:
         unit: str | None = None,
     ) -> Work:
         """Reduce ``input`` over ``group`` and keep this rank's slice in ``output``."""
-        return self._hyperfsdp_comm.reduce_scatter(output, input, group, op, unit=unit)
+        comm = self._hyperfsdp_comm
+        transport = comm.unit_transport(unit)
+        return comm.reduce_scatter(output, input, group, op, transport, unit=unit)
 
     def broadcast(self, tensor: torch.Tensor, src: int, group, *, unit: str | None = None) -> Work:
         """Broadcast ``tensor`` from group rank ``src`` to every rank of ``group``."""

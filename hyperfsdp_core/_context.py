@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,6 +38,7 @@ class RootContext:
         self.comm = comm
         self.plugin_comm = PluginComm(comm)
         self.view = RootView(self)
+        self._resolve_transports()
         self.finalize_runs: tuple = ()
         #: Plugins' per-root data (queues, groups), under their own StashKeys.
         self.stash = Stash()
@@ -65,6 +67,22 @@ class RootContext:
         if os.environ.get(LOG_TRANSITIONS_ENV):
             self.enable_transition_log()
 
+    def _resolve_transports(self) -> None:
+        """Give each unit the question for its transport (``hyperfsdp_transport``), asked
+        when its settings are applied at lazy init (``prepare_group``, once its fqn is
+        known); the comm looks a unit's up by fqn for the collectives plugins issue with
+        ``unit=<fqn>``."""
+        from ._plugins import get_plugin_manager
+
+        hook = get_plugin_manager().hook.hyperfsdp_transport
+        pairs = []
+        for state in self.states:
+            if state.group is not None:
+                state.group.ask_transport(partial(hook, unit=state.view))
+                pairs.append((state.view, state.group))
+        self._unit_transports = pairs
+        self.comm.add_unit_transports(pairs)
+
     def backward_active(self) -> bool:
         """Whether a backward of this root is running (units' held parameters in use)."""
         return self.in_backward
@@ -73,6 +91,7 @@ class RootContext:
         """Use ``comm`` for every unit of this root (``share_comm_ctx``)."""
         comm.observers.extend(o for o in self.comm.observers if o not in comm.observers)
         old, self.comm = self.comm, comm
+        comm.add_unit_transports(self._unit_transports)
         self.plugin_comm = PluginComm(comm)
         for state in self.states:
             state.comm = comm

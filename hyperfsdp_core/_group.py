@@ -26,7 +26,7 @@ from torch import nn
 
 from . import _held
 from ._buffers import alias, alloc, free, standalone
-from ._collectives import Comm, Handle
+from ._collectives import Comm, Handle, Transport, compose_transport
 from ._layout import pack_segments
 from ._mesh_info import MeshInfo
 from ._param import HSDPParam, StorageOwner
@@ -91,10 +91,14 @@ class Bucket:
             self.segments,
             [p.layout for p in params],
         )
-        # FSDP2-style comm objects (set_custom_all_gather / set_custom_reduce_scatter) and
-        # an optional separate process group for reduce-scatters
-        self.custom_all_gather = None
-        self.custom_reduce_scatter = None
+        # what carries this bucket's collectives (``ParamGroup.apply_settings``: the
+        # unit's FSDP2-style comm objects over its plugin transport), None: the root's
+        # default; and an optional separate process group for reduce-scatters
+        self.transport: Transport | None = None
+        # the post-forward gathers' (reshard_after_forward=<int>): the plugin's transport
+        # only (FSDP2's custom comms are for the unit's own group)
+        self.pf_transport: Transport | None = None
+        self.custom_all_gather = None  # the unit's ``set_custom_all_gather`` object
         self.reduce_group: dist.ProcessGroup | None = None
         self.divide_factor: float = float(self.mesh_info.dp_size)
         self.reduce_key: tuple[bool, ...] | None = None  # see reduction.reduce_plan
@@ -143,19 +147,16 @@ class Bucket:
 
     def gathers_in_line(self, comm: Comm) -> bool:
         """Whether this bucket's next unshard runs to completion in the calling thread
-        when it is issued (a local copy or cast on CPU, or a gather through shared
-        memory): prefetching it would overlap nothing, only hold it longer."""
+        when it is issued (a local copy or cast on CPU, or a gather its transport completes
+        when issued, such as shared memory): prefetching it would overlap nothing, only
+        hold it longer. Asks the transport, which never runs a collective to answer."""
         if not comm.is_cpu or self.custom_all_gather is not None:
             return False
         if not self.needs_all_gather:
             return True
-        kept = self._post_forward_shard
-        group = (
-            self._pf.info.shard_group
-            if kept is not None and self._pf is not None
-            else self.mesh_info.shard_group
-        )
-        return comm.shm(group) is not None
+        if self._post_forward_shard is not None and self._pf is not None:
+            return comm.gathers_in_line(self.pf_transport, self._pf.info.shard_group)
+        return comm.gathers_in_line(self.transport, self.mesh_info.shard_group)
 
     # -- sharded storage --------------------------------------------------------------------
     def build_sharded(
@@ -349,7 +350,7 @@ class Bucket:
                 out = flat[: pf.info.shard_size * pf.total]
             else:
                 out = self._staging = comm.buffer(
-                    pf.info.shard_size * pf.total, self.param_dtype, "gather"
+                    pf.info.shard_size * pf.total, self.param_dtype, "gather", self.pf_transport
                 )
                 self._staging_pf = pf
                 fresh = True
@@ -357,15 +358,16 @@ class Bucket:
                 out,
                 kept,
                 pf.info.shard_group,
+                self.pf_transport,
                 unit=self.unit_fqn,
                 ordered=fresh and ready is not None,
             )
             return
-        custom = self.custom_all_gather
+        transport = self.transport
         group = self.mesh_info.shard_group
         route = "native"
-        if custom is None and self.fill_input is None:
-            route = comm.gather_route(group, self.unsharded_nbytes, self.dim0_rows)
+        if self.fill_input is None:  # the transport asked once: which way it gathers
+            route = comm.gather_route_of(transport, group, self.unsharded_nbytes, self.dim0_rows)
         if route != "native":
             # gloo: straight into the param-major unsharded buffer (no staging, no copy-out)
             self._alloc_unsharded()
@@ -373,27 +375,29 @@ class Bucket:
             if views is None:
                 views = self._gather_views = self._build_gather_views()
             if views[3] is not None and route == "rows":
-                self.pending = comm.all_gather_p2p(
+                self.pending = comm.all_gather_rows(
                     flat,
                     views[3],
                     self.mesh_info.shard_rank,
                     group,
+                    transport,
                     unit=self.unit_fqn,
                     prepare=self._fill_own_rows,
                 )
             else:
                 self.pending = comm.all_gather_in_place(
-                    flat, group, unit=self.unit_fqn, prepare=self._fill_for_gather
+                    flat, group, transport, unit=self.unit_fqn, prepare=self._fill_for_gather
                 )
             return
         # the all-gather may skip waiting for the current stream in an ordered forward
         # (``Comm.gathers_ordered``) if it writes only into memory fresh from its stream
-        if self.storage_owner is StorageOwner.ALL_GATHER_OUTPUT and custom is None:
+        allocates = transport is not None and transport.allocator("gather") is not None
+        if self.storage_owner is StorageOwner.ALL_GATHER_OUTPUT and not allocates:
             fresh = self._alloc_unsharded(comm)
             out = flat
         else:  # the unsharded buffer is allocated at copy-out, not while the gather runs
             out = self._staging = comm.buffer(
-                self.world * self.total, self.param_dtype, "gather", custom
+                self.world * self.total, self.param_dtype, "gather", transport
             )
             fresh = True
         inp, prepare = self.sharded_flat, None
@@ -406,7 +410,7 @@ class Bucket:
             out,
             inp,
             self.mesh_info.shard_group,
-            custom,
+            transport,
             unit=self.unit_fqn,
             prepare=prepare,
             ordered=fresh,
@@ -424,10 +428,10 @@ class Bucket:
             pf, self._staging_pf = self._staging_pf, None
             if pf is None:
                 self._copy_out(self._staging, self._gather_layout)
-                comm.recycle(self._staging, "gather", self.custom_all_gather)
+                comm.recycle(self._staging, "gather", self.transport)
             else:
                 self._copy_out(self._staging, pf.gather_layout)
-                comm.recycle(self._staging, "gather")
+                comm.recycle(self._staging, "gather", self.pf_transport)
             self._staging = None
         if self._pf is not None:
             free(self._pf.flat)  # a post-forward shard gathered from (or none held)
@@ -551,6 +555,10 @@ class ParamGroup:
         self.backward_active: Callable[[], bool] = _never
         self.custom_all_gather = None
         self.custom_reduce_scatter = None
+        #: the plugin's ``hyperfsdp_transport`` for this unit, asked at lazy init
+        #: (``ask_transport``) the next time the settings are applied
+        self.plugin_transport: Transport | None = None
+        self._transport_question: Callable[[], Transport | None] | None = None
         self.separate_reduce_group = False
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self.rebucket()
@@ -563,9 +571,20 @@ class ParamGroup:
         self.buckets = [Bucket(members, self.device) for members in by_key.values()]
         self.apply_settings()
 
+    def ask_transport(self, question: Callable[[], Transport | None]) -> None:
+        """Lazy init: ``question()`` gives the unit's plugin transport (asked once, by the
+        next :meth:`apply_settings`, when the unit's fqn is known)."""
+        self._transport_question = question
+
     def apply_settings(self) -> None:
         from ._mesh_info import post_forward_mesh_info, separate_group
 
+        if self._transport_question is not None:
+            question, self._transport_question = self._transport_question, None
+            self.plugin_transport = question()
+        transport = compose_transport(
+            self.custom_all_gather, self.custom_reduce_scatter, self.plugin_transport
+        )
         for b in self.buckets:
             b.unit = self.unit
             b.unit_fqn = self.unit.fqn if self.unit is not None else None
@@ -575,7 +594,8 @@ class ParamGroup:
                 b.divide_factor = self.divide_factor
             b.all_reduce_hook = self.all_reduce_hook
             b.custom_all_gather = self.custom_all_gather
-            b.custom_reduce_scatter = self.custom_reduce_scatter
+            b.transport = transport
+            b.pf_transport = self.plugin_transport
             b.reduce_group = (
                 separate_group(b.mesh_info)
                 if self.separate_reduce_group and b.needs_all_gather

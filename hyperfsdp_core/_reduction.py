@@ -249,10 +249,11 @@ def reduce_bucket(bucket: Bucket, comm: Comm, *, include_unused: bool) -> Reduct
         if scale is not None:
             output.mul_(scale)
         return Reduction(bucket, output, READY, None, plan, present)
-    custom = bucket.custom_reduce_scatter
+    transport = bucket.transport
+    allocates = transport is not None and transport.allocator("reduce") is not None
     first = plan.plans[0]
     direct = (
-        custom is None
+        not allocates
         and len(members) == 1
         and g0 is not None
         and first.dim == 0
@@ -263,7 +264,7 @@ def reduce_bucket(bucket: Bucket, comm: Comm, *, include_unused: bool) -> Reduct
     if direct:  # one even member: its gradient is the reduce-scatter input as it is
         pack, recycle = g0.view(-1), None
     else:
-        pack = recycle = comm.buffer(world * total, rdtype, "reduce", custom)
+        pack = recycle = comm.buffer(world * total, rdtype, "reduce", transport)
         plan.pack(pack.view(world, total), grads)
         # the gradients are in the pack: free them before the output is allocated, so it
         # can take their memory (and the two are never held together)
@@ -275,12 +276,12 @@ def reduce_bucket(bucket: Bucket, comm: Comm, *, include_unused: bool) -> Reduct
     # the pack is ours (a pool buffer, or the gradient taken from the unsharded parameter):
     # on gloo the reduction runs in place on it
     handle = comm.reduce_scatter(
-        output, pack, group, dist.ReduceOp.SUM, custom, unit=bucket.unit_fqn, scratch_input=True
+        output, pack, group, dist.ReduceOp.SUM, transport, unit=bucket.unit_fqn, scratch_input=True
     )
     if handle.done:  # it ran in line (shared memory): the pack is free now
-        comm.recycle(recycle, "reduce", custom)
+        comm.recycle(recycle, "reduce", transport)
         return Reduction(bucket, output, handle, None, plan, present)
-    if custom is not None:  # the custom comm owns its buffers: never pooled
+    if allocates:  # the transport's comm object owns its buffers: never pooled
         recycle = None
     red = Reduction(bucket, output, handle, recycle, plan, present)
     if recycle is None:

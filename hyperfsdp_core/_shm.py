@@ -148,6 +148,25 @@ def _pid_namespace() -> str | None:
         return None
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs: it exists and is not a zombie (exited, not yet
+    reaped by its parent, as ranks launched with ``Process.join()`` in order are)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True  # no /proc: existing is all we can tell
+    # "pid (comm) state ...": comm may hold spaces and parentheses, the state follows the last ")"
+    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
+    return state not in (b"Z", b"X")
+
+
 class _Segment:
     """One member's mapped segment: its header (int64 words) and its slots (bytes)."""
 
@@ -203,8 +222,9 @@ class ShmGroup:
 
         Collective over ``group``: every member calls it at the same point (two
         ``all_gather_object``). Each member creates its segment and maps every member's;
-        the segment files are unlinked as soon as all are mapped, so nothing is left in
-        ``/dev/shm`` whatever happens to the processes.
+        the segment files are unlinked as soon as all are mapped, and also when the setup
+        fails on the way (a peer that never comes or dies, an exception here), so a
+        failed setup leaves nothing in ``/dev/shm`` either.
         """
         header_bytes = _header_bytes(world)
         size = header_bytes + SLOTS * CHUNK_BYTES
@@ -226,6 +246,19 @@ class ShmGroup:
                 mm = None
                 if os.path.exists(path):
                     os.unlink(path)
+        try:
+            return cls._agree(group, rank, world, timeout, path, mm, token, size, header_bytes)
+        finally:  # mapped by every member now, or the setup failed: the name can go
+            if path is not None and mm is not None:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+
+    @classmethod
+    def _agree(cls, group, rank, world, timeout, path, mm, token, size, header_bytes):
+        """The collective part of :meth:`create`: exchange the segments' names, map them,
+        and agree whether every member could."""
         mine = (path if mm is not None else None, token, os.getpid(), _pid_namespace())
         infos: list = [None] * world
         dist.all_gather_object(infos, mine, group=group)
@@ -243,8 +276,6 @@ class ShmGroup:
                 segments = None
         oks: list = [None] * world
         dist.all_gather_object(oks, segments is not None, group=group)
-        if path is not None and mm is not None:
-            os.unlink(path)
         if not all(oks):
             return None
         namespaces = {info[3] for info in infos}
@@ -285,16 +316,11 @@ class ShmGroup:
                         f"{self.timeout:g} s waiting for group rank {member}"
                     )
                 pid = self._pids.get(member) if self._pids else None
-                if pid is not None:
-                    try:
-                        os.kill(pid, 0)
-                    except ProcessLookupError:
-                        self._fail(
-                            f"group rank {member} (pid {pid}) exited during "
-                            f"shared-memory collective #{self.ops}"
-                        )
-                    except PermissionError:
-                        pass
+                if pid is not None and not _alive(pid):
+                    self._fail(
+                        f"group rank {member} (pid {pid}) exited during "
+                        f"shared-memory collective #{self.ops}"
+                    )
 
     def _run(self, kind: int, nbytes: int, n_chunks: int, put, take) -> None:
         """One collective: ``put(i, slot)`` writes this rank's chunk ``i`` into its slot

@@ -78,14 +78,19 @@ class ShmProcessGroup(PythonProcessGroup):
     def transport(self) -> _shm.ShmGroup | None:
         """The shared-memory transport, made at first use (collective), or None."""
         if self._transport is _UNSET:
-            from ._collectives import SHM
+            from ._collectives import gloo_settings
 
             # None while it is made: the collectives that make it (and check its order of
             # additions against gloo's) run on gloo
             self._transport = None
-            if SHM and self.size() > 1:
+            if gloo_settings()[2] and self.size() > 1:
                 self._transport = _shm.ShmGroup.create(self, self.rank(), self.size(), self.timeout)
         return self._transport  # type: ignore[return-value]
+
+    @property
+    def made_transport(self) -> _shm.ShmGroup | None:
+        """The transport if it has been made (never makes it: that is collective)."""
+        return None if self._transport is _UNSET else self._transport  # type: ignore[return-value]
 
     # -- all-gathers and reduce-scatters ------------------------------------------------
     def _takes(self, out: torch.Tensor, inp: torch.Tensor, opts, gather: bool) -> bool:

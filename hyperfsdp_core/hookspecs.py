@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from ._collectives import Transport
     from ._mesh_info import MeshInfo
     from ._plugins import Phase
     from ._records import CollectiveEvent, ParamLayout, ShardedStorage
@@ -180,6 +181,31 @@ def hyperfsdp_all_gather_input(
         (flat, ``param_dtype``, on the compute device) from ``sharded`` (the flat
         sharded storage, original dtype, on the storage device, padding included);
         it runs on the all-gather stream on accelerators. Or ``None``.
+    """
+
+
+@hookspec(firstresult=True)
+def hyperfsdp_transport(unit: UnitView) -> Transport | None:
+    """*lazy-init* What carries the unit's collectives. *First result.*
+
+    Called once per unit at its root's lazy init. The returned
+    :class:`~hyperfsdp_core.plugin.Transport` carries every all-gather and reduce-scatter
+    of the unit's buckets (its post-forward all-gathers under
+    ``reshard_after_forward=<int>`` too) and the all-reduces plugins issue through
+    ``root.comm`` with ``unit=unit.fqn``. Build it from FSDP2 comm objects
+    (``Transport(all_gather=AllGather(), reduce_scatter=ReduceScatter(),
+    all_reduce=fn)``: ``allocate(sizes, *, dtype, device)`` plus ``__call__``) or subclass
+    it to pick a route per group, size or dtype. A part left ``None`` is
+    ``torch.distributed``'s own collective. ``set_custom_all_gather`` /
+    ``set_custom_reduce_scatter`` take precedence for their collective over the unit's
+    own group.
+
+    While a torch dispatch mode is active (``CommDebugMode``) the core's own default
+    routes are ``torch.distributed``'s; a plugin's transport is called as it is.
+
+    :param unit: the unit.
+    :returns: a ``Transport``, or ``None`` (the core's default: ``torch.distributed``'s
+        collectives, through the core's faster CPU routes where it has them).
     """
 
 

@@ -20,12 +20,14 @@ refuses to load it on a mismatch.
 - Layout and storage records returned by hooks: :class:`ParamLayout`,
   :class:`ShardedStorage`.
 - Communication: :class:`PluginComm` (``root.comm``) issues async collectives and
-  returns :class:`Work`; observers receive :class:`CollectiveEvent`.
+  returns :class:`Work`; observers receive :class:`CollectiveEvent`. :class:`Transport`
+  (returned by the ``hyperfsdp_transport`` hook) carries a unit's collectives, built from
+  FSDP2's ``AllGather``/``ReduceScatter`` comm objects.
 - Gradients: reducers receive :class:`Reduction` objects (``params``, ``output``,
   ``grad_of()``, ``defer()``/``release()``, ``consume()``, ``key``, ``unit``).
 """
 
-from ._collectives import PluginComm, Work
+from ._collectives import PluginComm, Transport, Work
 from ._mesh_info import (
     MeshInfo,
     ProcessGroupCache,
@@ -73,6 +75,7 @@ __all__ = [
     "ShardedStorage",
     "Stash",
     "StashKey",
+    "Transport",
     "UnitSpec",
     "UnitView",
     "Work",

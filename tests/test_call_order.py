@@ -76,6 +76,10 @@ class CallLog:
         self._note("all_gather_input", unit.fqn)
 
     @hookimpl
+    def hyperfsdp_transport(self, unit):
+        self._note("transport", unit.fqn)
+
+    @hookimpl
     def hyperfsdp_gradient_reducers(self, unit):
         self._note("gradient_reducers", unit.fqn)
 
@@ -158,7 +162,7 @@ def test_every_hook_in_order_with_every_plugin_installed():
         init = ["sharded_storage", *["select_mesh_info", "param_layout", "param_dtypes"] * 2]
         init.append("module_mixins")
         # per unit that manages parameters: the callables derived from its storage
-        storage = ["all_gather_input{}", "gradient_reducers{}", "grad_landing{}"]
+        storage = ["all_gather_input{}", "transport{}", "gradient_reducers{}", "grad_landing{}"]
         root, layer = [e.format("") for e in storage], [e.format("(0)") for e in storage]
         assert log == [
             "validate_unit(weight)",

@@ -407,3 +407,22 @@ def test_gradients_are_freed_once_packed(run_ranks, shm):
     for alive in run_ranks(2, gradients_freed_before_reduce, shm):
         assert len(alive) == 6  # 3 units x 2 steps, each with several gradients packed
         assert alive == [0] * 6
+
+
+def test_environment_switches_are_read_when_a_root_comm_is_made(monkeypatch):
+    """``HYPERFSDP_SHM``, ``HYPERFSDP_GLOO_ALL_GATHER_MIN_BYTES`` and
+    ``HYPERFSDP_GLOO_NATIVE_COLLECTIVES`` set after import still apply to the next root."""
+    from hyperfsdp_core import _collectives as coll
+
+    for name in ("SHM", "GLOO_ALL_GATHER_MIN_BYTES", "GLOO_NATIVE_COLLECTIVES"):
+        monkeypatch.delenv(f"HYPERFSDP_{name}", raising=False)
+    cpu = torch.device("cpu")
+    default = coll.Comm(cpu)
+    monkeypatch.setenv("HYPERFSDP_SHM", "0")
+    monkeypatch.setenv("HYPERFSDP_GLOO_ALL_GATHER_MIN_BYTES", "123")
+    off = coll.Comm(cpu)
+    monkeypatch.setenv("HYPERFSDP_GLOO_NATIVE_COLLECTIVES", "1")
+    native = coll.Comm(cpu)
+    assert (default.use_shm, default.gloo_all_reduce) == (True, True)
+    assert (off.use_shm, off.all_gather_min_bytes, off.gloo_all_reduce) == (False, 123, True)
+    assert (native.use_shm, native.gloo_all_reduce) == (False, False)

@@ -164,6 +164,97 @@ def test_absent_peer_times_out_and_exited_peer_fails_fast(run_ranks, dead_peer):
         assert 1.5 <= waited < 10
 
 
+def zombie_peer():
+    """Rank 0 waits for a peer whose process exited but was not reaped (a zombie:
+    ``os.kill(pid, 0)`` still succeeds), as ranks joined in order by their launcher are."""
+    import torch.distributed as dist
+
+    transport, rank, _ = _world_transport(timeout=30.0)
+    result = None
+    if rank == 0:
+        zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+        deadline = time.monotonic() + 10
+        while _shm._alive(zombie.pid) and time.monotonic() < deadline:  # exited, not reaped
+            time.sleep(0.01)
+        os.kill(zombie.pid, 0)  # still there: a zombie
+        transport._pids = {1: zombie.pid}
+        start = time.monotonic()
+        try:
+            transport.all_gather(torch.empty(8), torch.ones(4))
+        except _shm.ShmCollectiveError as exc:
+            result = (str(exc), time.monotonic() - start)
+        zombie.wait()
+    dist.barrier()  # rank 1 never joins the collective
+    return result
+
+
+def test_zombie_peer_fails_fast(run_ranks):
+    message, waited = run_ranks(2, zombie_peer, timeout=120)[0]
+    assert "group rank 1" in message and "exited" in message, message
+    assert waited < 10  # found by the liveness check, not the 30 s timeout
+
+
+def setup_with_absent_peer():
+    """Rank 0 sets the transport up over a group whose other member never joins (it failed
+    before its setup): the exchange times out, and the segment file rank 0 made is gone."""
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=2))
+    rank = dist.get_rank()
+    created = []
+    real_open = os.open
+
+    def spy_open(path, flags, *args):
+        if flags & os.O_CREAT:
+            created.append(path)
+        return real_open(path, flags, *args)
+
+    error = None
+    if rank == 0:
+        _shm.os.open = spy_open
+        try:
+            _shm.ShmGroup.create(group, 0, 2, timedelta(seconds=2))
+        except Exception as exc:  # gloo's timeout
+            error = type(exc).__name__
+        finally:
+            _shm.os.open = real_open
+    dist.barrier()
+    dist.destroy_process_group(group)
+    return error, len(created), [p for p in created if os.path.exists(p)]
+
+
+def test_setup_that_fails_leaves_no_segment_file(run_ranks):
+    error, made, left = run_ranks(2, setup_with_absent_peer, timeout=120)[0]
+    assert error is not None  # the setup failed
+    assert made == 1 and left == []
+
+
+def deciding_makes_no_transport():
+    """Asking whether a unit's gathers run in line (the prefetch decision) never makes the
+    shared-memory transport: making it is a collective, run only by a collective."""
+    from torch import nn
+
+    from hyperfsdp_core import _collectives, fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+    fully_shard(model[0])
+    fully_shard(model)
+    bucket = model[0]._hyperfsdp_state.group.buckets[0]
+    fresh = _collectives.Comm(torch.device("cpu"))  # no collective has run on it yet
+    asked = bucket.gathers_in_line(fresh)
+    made_by_asking = len(fresh._shm)
+    model(torch.randn(2, 8)).sum().backward()  # the gathers make the root's
+    comm = model._hyperfsdp_state.ctx.comm
+    return asked, made_by_asking, bucket.gathers_in_line(comm)
+
+
+def test_deciding_to_prefetch_makes_no_transport(run_ranks):
+    for asked, made, in_line in run_ranks(2, deciding_makes_no_transport, timeout=120):
+        assert (asked, made) == (False, 0)
+        assert in_line  # once a gather made the group's transport
+
+
 def setup_leaves_no_files(refuse_on_rank: int | None, how: str = "unsupported"):
     import torch.distributed as dist
 
