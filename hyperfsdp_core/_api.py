@@ -16,7 +16,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ._collectives import Comm
 from ._group import ParamGroup
-from ._mesh_info import mesh_device
+from ._mesh_info import check_mesh_device, mesh_device
 from ._module import FSDPModule, fsdp_class
 from ._param import HSDPParam
 from ._plugins import get_plugin_manager
@@ -49,6 +49,7 @@ def fully_shard(
     modules = _root_modules(module)
     mesh_was_default = mesh is None
     mesh = mesh if mesh is not None else default_mesh()
+    check_mesh_device(mesh, type(modules[0]).__name__)
     _check_reshard_after_forward(reshard_after_forward)
     reshard_after_forward = _trivial_int_as_bool(reshard_after_forward, mesh, dp_mesh_dims)
     for m in modules:

@@ -194,6 +194,19 @@ def ddp_mesh_info(mesh: DeviceMesh, group: dist.ProcessGroup, size: int, rank: i
     )
 
 
+def check_mesh_device(mesh: DeviceMesh, what: str) -> None:
+    """A mesh must live on a device its process groups can communicate on (``meta`` has no
+    collective backend: the error would otherwise come at the first forward)."""
+    if mesh.device_type == "meta":
+        raise ValueError(
+            f"fully_shard({what}): the mesh {mesh!r} is on the 'meta' device, which cannot "
+            "run collectives. Build the mesh on the device you train on, e.g. "
+            "init_device_mesh('cuda', (world_size,)) or init_device_mesh('cpu', "
+            "(world_size,)); the module's parameters may stay on meta until "
+            "model.to_empty(device=...)"
+        )
+
+
 def mesh_device(mesh: DeviceMesh) -> torch.device:
     """The device a mesh communicates on: the current device for accelerators, else CPU."""
     if mesh.device_type == "cpu":

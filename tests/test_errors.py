@@ -203,3 +203,23 @@ def test_rejected_with_fqn(run_ranks, name):
 
 def test_fully_shard_twice(run_ranks):
     assert run_ranks(2, already_sharded) == [True, True]
+
+
+def meta_mesh():
+    import torch.distributed as dist
+
+    mesh = init_device_mesh("meta", (dist.get_world_size(),))
+    return expect_error(
+        lambda: nn.Linear(4, 4),
+        lambda m: fully_shard(m, mesh=mesh),
+        "fully_shard(Linear)",
+        "'meta' device, which cannot run collectives",
+        "init_device_mesh('cuda'",
+        "init_device_mesh('cpu'",
+    )
+
+
+def test_meta_mesh_rejected_at_fully_shard(run_ranks):
+    """A mesh on meta has no collective backend: rejected at once, saying to build the mesh
+    on the training device (it used to be accepted and to fail at the first forward)."""
+    assert run_ranks(2, meta_mesh) == ["ValueError"] * 2
