@@ -1,4 +1,4 @@
-"""Gradient reduction of one bucket: pack, pre-scale once, reduce-scatter, hand on.
+"""Gradient reduction of one bucket: pack, reduce-scatter (SUM), divide as FSDP2 does, hand on.
 
 The pack is rank-major: row ``r`` of the ``(world, total)`` input holds every member's
 rows for rank ``r``, each padded to its slot (uneven tails zeroed). The output is this
@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ._collectives import Comm, Handle
+from ._divide import Divisors, gradient_divisors
 from ._layout import Segment, pack_segments
 from ._param import HSDPParam
 
@@ -80,15 +81,21 @@ class Reduction:
     reduction *lands*: the unit's all-reduce hook sees ``output``, then each present
     member's shard is added to its sharded parameter's ``.grad``. :meth:`consume`
     takes the output for good instead (it never lands).
+
+    ``output`` is divided as FSDP2 divides (``_divide``) once the reduce-scatter is done;
+    a plugin that all-reduces it over the replicas (hsdp) divides the result by
+    ``all_reduce_divisor`` when that is not ``None``.
     """
 
     __slots__ = (
+        "_after_scatter",
         "_bucket",
         "_consumed",
         "_handle",
         "_holds",
         "_pack",
         "_plan",
+        "all_reduce_divisor",
         "output",
         "present",
     )
@@ -102,6 +109,10 @@ class Reduction:
         self.present: list[bool] = present  # which members receive a gradient
         self._holds = 1  # the core's own, released after the unit's reducers ran
         self._consumed = False
+        # FSDP2's divisions (``_divide``): of ``output`` once the reduce-scatter is done,
+        # and of the replicate all-reduce's result (by the plugin that runs it)
+        self._after_scatter: float | None = plan.divisors.after_scatter
+        self.all_reduce_divisor: float | None = plan.divisors.after_all_reduce
 
     # -- public protocol ----------------------------------------------------------------------
     @property
@@ -168,6 +179,9 @@ class Reduction:
     # -- engine ---------------------------------------------------------------------------------
     def _wait(self, comm: Comm) -> None:
         self._handle.wait()
+        if self._after_scatter is not None:
+            self.output.div_(self._after_scatter)
+            self._after_scatter = None
         if self._pack is not None:
             comm.recycle(self._pack, "reduce")
             self._pack = None
@@ -190,7 +204,18 @@ class Reduction:
 class ReducePlan:
     """A bucket's reduce layout over the members that require grad."""
 
-    __slots__ = ("index", "key", "members", "plans", "segments", "simple", "total", "views")
+    __slots__ = (
+        "divide_key",
+        "divisors",
+        "index",
+        "key",
+        "members",
+        "plans",
+        "segments",
+        "simple",
+        "total",
+        "views",
+    )
 
     def __init__(self, bucket: Bucket) -> None:
         self.members = [p for p in bucket.params if p.requires_grad]
@@ -202,6 +227,8 @@ class ReducePlan:
         self.plans = [_PackPlan(p, seg, world) for p, seg in zip(self.members, self.segments)]
         # every member dim-0 and even: one torch.cat packs all gradients at once
         self.simple = all(pl.dim == 0 and pl.rows == world * pl.chunk for pl in self.plans)
+        self.divide_key: float | None = None  # the bucket's divide factor `divisors` is for
+        self.divisors = Divisors(None, None, None)
 
     def pack(self, dst2d: torch.Tensor, grads: list) -> None:
         """Lay the members' gradients out rank-major in ``dst2d`` (zeros where missing)."""
@@ -222,11 +249,17 @@ def reduce_plan(bucket: Bucket) -> ReducePlan:
     if key != bucket.reduce_key or bucket.reduce_plan is None:
         bucket.reduce_plan = ReducePlan(bucket)
         bucket.reduce_key = key
+    factor = bucket.divide_factor
+    if factor != bucket.reduce_plan.divide_key:  # set_gradient_divide_factor since
+        bucket.reduce_plan.divisors = gradient_divisors(
+            bucket.world, bucket.mesh_info.replicate_size, bucket.reduce_dtype, factor
+        )
+        bucket.reduce_plan.divide_key = factor
     return bucket.reduce_plan
 
 
 def reduce_bucket(bucket: Bucket, comm: Comm, *, include_unused: bool) -> Reduction | None:
-    """Reduce-scatter the members' unsharded gradients (pre-scaled once)."""
+    """Reduce-scatter the members' unsharded gradients (divided as FSDP2 divides them)."""
     plan = reduce_plan(bucket)
     members, total = plan.members, plan.total
     if not members:
@@ -237,7 +270,7 @@ def reduce_bucket(bucket: Bucket, comm: Comm, *, include_unused: bool) -> Reduct
         return None
     if include_unused:
         present = [True] * len(members)
-    scale = 1.0 / bucket.divide_factor if bucket.divide_factor != 1 else None
+    before = plan.divisors.before
     world, rdtype = bucket.world, bucket.reduce_dtype
     g0 = grads[0]
     if world == 1:  # nothing to reduce-scatter: the local gradient is the shard's
@@ -246,8 +279,8 @@ def reduce_bucket(bucket: Bucket, comm: Comm, *, include_unused: bool) -> Reduct
         else:
             output = torch.empty(total, dtype=rdtype, device=bucket.device)
             plan.pack(output.view(1, total), grads)
-        if scale is not None:
-            output.mul_(scale)
+        if before is not None:
+            output.div_(before)
         return Reduction(bucket, output, READY, None, plan, present)
     transport = bucket.transport
     allocates = transport is not None and transport.allocator("reduce") is not None
@@ -269,8 +302,8 @@ def reduce_bucket(bucket: Bucket, comm: Comm, *, include_unused: bool) -> Reduct
         # the gradients are in the pack: free them before the output is allocated, so it
         # can take their memory (and the two are never held together)
         grads = g0 = None
-    if scale is not None:
-        pack.mul_(scale)
+    if before is not None:
+        pack.div_(before)
     output = torch.empty(total, dtype=rdtype, device=bucket.device)
     group = bucket.reduce_group or bucket.mesh_info.shard_group
     # the pack is ours (a pool buffer, or the gradient taken from the unsharded parameter):

@@ -7,9 +7,11 @@ local shard when the shard size is 1).
 
 Reduction: after a unit's reduce-scatters finish, its reducer defers the reductions that
 need an all-reduce, groups them by (process group, op, dtype, device) and launches one
-all-reduce per group; the ``dp.all_reduce`` phase waits for all of them and releases the
-reductions, which then land on the parameters' gradients (unless another plugin, e.g.
-tensor parallelism, still holds them). Written against ``hyperfsdp_core.plugin`` only.
+SUM all-reduce per group; the ``dp.all_reduce`` phase waits for all of them, divides each
+result by the reduction's ``all_reduce_divisor`` (the replicate size by default: FSDP2's
+average, bit for bit) and releases the reductions, which then land on the parameters'
+gradients (unless another plugin, e.g. tensor parallelism, still holds them). Written
+against ``hyperfsdp_core.plugin`` only.
 """
 
 from __future__ import annotations
@@ -127,6 +129,8 @@ class _AllReduces:
                     red.output.copy_(flat[offset : offset + n])
                     offset += n
             for red in reductions:
+                if red.all_reduce_divisor is not None:  # FSDP2's average over the replicas
+                    red.output.div_(red.all_reduce_divisor)
                 red.release()
 
     def launch_grouped(self, reductions: Sequence[Reduction]) -> None:
