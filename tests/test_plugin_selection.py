@@ -588,7 +588,9 @@ def test_first_result_hooks_in_call_order_and_conflicts():
         "hyperfsdp_all_gather_input",
         "hyperfsdp_grad_landing",
         "hyperfsdp_load_convert",
+        "hyperfsdp_transport",
     }
+    assert hooks["hyperfsdp_transport"] == []  # no transport plugin: the core's default
     assert hooks["hyperfsdp_select_mesh_info"] == [("hyperfsdp.core", "trylast")]
     assert hooks["hyperfsdp_param_dtypes"] == [("hyperfsdp.mixed_precision", "")]
     assert hooks["hyperfsdp_sharded_storage"] == []
