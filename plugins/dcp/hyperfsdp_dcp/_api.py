@@ -31,8 +31,10 @@ def save_checkpoint(
 
     Collective: every rank of ``process_group`` calls it. The files are written into a
     partial directory beside ``path`` and renamed to ``path`` once every rank has finished; on
-    failure on any rank all ranks raise :class:`CheckpointSaveError` and ``path`` is left as it
-    was (a previous checkpoint there is only replaced by a successful save).
+    failure on any rank all ranks raise :class:`CheckpointSaveError` (naming ``step`` and the
+    failing ranks; a rank that died or stopped is found within the group's timeout) and
+    ``path`` is left as it was (a previous checkpoint there is only replaced by a successful
+    save). Each rank records the CRC-32 of the files it wrote in ``checksums.json``.
     """
     state = TrainState(model, optimizer, stateful, options)
     world = dist.get_world_size(process_group) if dist.is_initialized() else 1
@@ -46,7 +48,7 @@ def save_checkpoint(
         return out
 
     final = Path(path)
-    pending, sections = _io.begin_save(final, build, process_group)
+    pending, sections = _io.begin_save(final, build, process_group, step)
     _io.write(pending, sections, process_group)
     return final
 
@@ -58,6 +60,7 @@ def load_checkpoint(
     *,
     stateful: Mapping[str, Any] | None = None,
     restore_rng: bool = False,
+    verify: bool = True,
     process_group: dist.ProcessGroup | None = None,
     options: StateDictOptions | None = None,
 ) -> dict[str, Any]:
@@ -66,12 +69,20 @@ def load_checkpoint(
     Any world size and any data-parallel layout (FSDP, HSDP; hyperfsdp or torch FSDP2)
     loads any other: DCP reads the rows each rank owns. Keys, global shapes and dtypes are
     checked first; a mismatch raises :class:`CheckpointMismatchError` naming every offending
-    key, on every rank, with nothing loaded. Returns the checkpoint's ``trainer`` section
+    key, on every rank, with nothing loaded.
+
+    Transactional: the data files are checked first (each must be as long as the metadata
+    says; with ``verify``, the default, each must match the CRC-32 recorded at save in
+    ``checksums.json``), then everything is read into fresh memory, and only then written
+    into the model, optimizers and stateful objects. A damaged or unreadable checkpoint
+    raises :class:`CheckpointLoadError` on every rank naming the checkpoint, each damaged
+    file and what is wrong with it; the model and optimizers are then exactly as before.
+    ``verify=False`` skips the checksums (not the sizes). Returns the checkpoint's ``trainer`` section
     (``step``, ``world_size``), or ``{}`` for a checkpoint written without one (for example by
     a plain FSDP2 program that saved ``{"model": ..., "optim": ...}``).
     """
     state = TrainState(model, optimizer, stateful, options)
-    return _io.load(Path(path), state, process_group, restore_rng=restore_rng)
+    return _io.load(Path(path), state, process_group, restore_rng=restore_rng, verify=verify)
 
 
 def validate_checkpoint(

@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from . import _io
+from . import _checksum, _io
 from ._state import MODEL, TRAINER
 
 _RANK_FILE = re.compile(r"^__(\d+)_")
@@ -293,3 +293,45 @@ def export_checkpoint(
         torch.save(full, tmp)
     os.replace(tmp, out)
     return out, fmt, len(full)
+
+
+# -- verify ---------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class VerifyResult:
+    """What ``hyperfsdp ckpt verify`` found in one checkpoint."""
+
+    path: Path
+    problems: tuple[_checksum.Problem, ...]
+    has_checksums: bool  # False: saved without checksums.json (only sizes were checked)
+    files: int  # data files checked
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def __str__(self) -> str:
+        if self.problems:
+            lines = "".join(f"\n  {p}" for p in self.problems)
+            n = len(self.problems)
+            return f"{self.path}: DAMAGED, {n} problem{'s' if n != 1 else ''}:{lines}"
+        how = (
+            "sizes and CRC-32 checksums match"
+            if self.has_checksums
+            else f"sizes match (no {_checksum.CHECKSUM_FILE}: saved without checksums)"
+        )
+        return f"{self.path}: OK, {self.files} data files, {how}"
+
+
+def verify_checkpoint(
+    path: str | os.PathLike, step: int | None = None, *, checksums: bool = True
+) -> VerifyResult:
+    """Check a checkpoint (or the newest complete one of a manager directory, or ``step``)
+    without loading it: ``.metadata`` readable, every data file it names present and long
+    enough, and (with ``checksums``) every file's CRC-32 equal to the one recorded at save.
+    No process group needed."""
+    ckpt, _ = resolve(path, step)
+    metadata, problems, has = _checksum.verify(ckpt, (0, 1), checksums)
+    files = len(_checksum.extents(metadata)) if metadata is not None else 0
+    return VerifyResult(ckpt, tuple(problems), has, files)

@@ -9,9 +9,11 @@ before any tensor is read, when keys, global shapes or dtypes do not match.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import shutil
+import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -19,28 +21,28 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ._state import RNG, TRAINER, TrainState, flatten, rank_key, set_rng_state
+from . import _checksum
+from ._errors import CheckpointLoadError, CheckpointSaveError
+from ._state import MODEL, OPTIM, RNG, TRAINER, TrainState, flatten, rank_key, set_rng_state
+from ._torch_private import group_timeout
 from ._validate import CheckpointMismatchError, find_mismatches
+
+__all__ = ["CheckpointLoadError", "CheckpointSaveError"]
 
 METADATA_FILE = ".metadata"
 STEP_RE = re.compile(r"^step-(\d+)$")
-PARTIAL_RE = re.compile(r"^\.(.+)\.(partial|old)$")
+PARTIAL_RE = re.compile(r"^\.(.+)\.(partial|old|failed)$")
 
 
-class CheckpointSaveError(RuntimeError):
-    """A save failed on at least one rank; its partial files were removed (or are ignored).
-
-    The checkpoints saved before are intact, and resuming ignores the failed one.
-    """
-
-
-class CheckpointLoadError(RuntimeError):
-    """A checkpoint could not be read (missing, incomplete, unreadable)."""
+#: How a save attempt is told apart from an earlier one of the same step (ranks make the
+#: same saves in the same order, so they count alike).
+_ATTEMPTS = itertools.count()
 
 
 # -- names on disk ------------------------------------------------------------------------------
@@ -81,8 +83,13 @@ def list_checkpoints(root: Path) -> Listing:
                 complete[int(match.group(1))] = entry
             else:
                 ignored.append((entry, f"incomplete: no {METADATA_FILE}"))
-        elif PARTIAL_RE.match(entry.name):
-            ignored.append((entry, "unfinished save (partial)"))
+        elif match := PARTIAL_RE.match(entry.name):
+            why = (
+                "failed save (reports of its ranks)"
+                if match.group(2) == "failed"
+                else ("unfinished save (partial)")
+            )
+            ignored.append((entry, why))
     return Listing(complete, ignored)
 
 
@@ -93,9 +100,17 @@ def _rank(group: dist.ProcessGroup | None) -> int:
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 
+def _world(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
 #: What a local step may raise and still be reported to the other ranks (DCP's
 #: CheckpointException is a BaseException).
 FAILURES = (Exception, CheckpointException)
+
+
+class PeerLost(Exception):
+    """A collective of the checkpoint code failed: a peer died, stopped or disconnected."""
 
 
 def error_text(error: BaseException) -> str:
@@ -109,16 +124,26 @@ def error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
+def gather(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    """``value`` of every rank, on every rank; raises :class:`PeerLost` when a peer does
+    not take part (bounded by the group's timeout)."""
+    if not dist.is_initialized():
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    try:
+        dist.all_gather_object(out, value, group=group)
+    except Exception as exc:
+        raise PeerLost(error_text(exc)) from exc
+    return out
+
+
 def agree(error: BaseException | None, group: dist.ProcessGroup | None) -> list[tuple[int, str]]:
     """Every rank's outcome of a local step, gathered on every rank: ``[(rank, error)]``.
 
     Also a barrier. Runs on ``group`` (whose timeout bounds it).
     """
     mine = None if error is None else error_text(error)
-    if not dist.is_initialized():
-        return [] if mine is None else [(0, mine)]
-    outcomes: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(outcomes, mine, group=group)
+    outcomes = gather(mine, group)
     return [(r, e) for r, e in enumerate(outcomes) if e is not None]
 
 
@@ -154,14 +179,100 @@ class PendingSave:
 
     final: Path
     partial: Path
+    step: int | None = None
+    grace: float = 60.0  # seconds to wait for the reports of the ranks of a failed save
+    attempt: int = 0
     future: Future | None = None  # async saves
+
+    @property
+    def what(self) -> str:
+        return (
+            f"saving {self.final}"
+            if self.step is None
+            else (f"saving step {self.step} ({self.final})")
+        )
+
+    @property
+    def reports(self) -> Path:
+        return self.final.parent / f".{self.final.name}.failed" / str(self.attempt)
+
+
+def _save_error(
+    pending: PendingSave, failures: list[tuple[int, str]], tail: str
+) -> CheckpointSaveError:
+    ranks = sorted({r for r, _ in failures})
+    who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+    return CheckpointSaveError(
+        f"{pending.what} failed on {who} ({_failures_text(failures)}); {tail}",
+        step=pending.step,
+        ranks=ranks,
+    )
+
+
+def peer_lost(pending: PendingSave, mine: str | None, lost: PeerLost, group) -> CheckpointSaveError:
+    """The save's collectives failed (a rank died, stopped or lost its connection): find out
+    which ranks are still there, through the checkpoint directory (every rank sees it).
+
+    Each surviving rank writes a report (its own error, or none) under ``.<name>.failed/``
+    and waits up to the group's timeout for the others'; the ranks that never report are the
+    failing ones. Returns the error to raise, the same on every surviving rank.
+    """
+    rank, world = _rank(group), _world(group)
+    try:
+        pending.reports.mkdir(parents=True, exist_ok=True)
+        tmp = pending.reports / f".rank-{rank}.tmp"
+        tmp.write_text(mine or "")
+        os.replace(tmp, pending.reports / f"rank-{rank}")
+    except OSError:
+        pass
+    deadline = time.monotonic() + pending.grace
+    seen: dict[int, str] = {}
+    while True:
+        for r in range(world):
+            if r not in seen:
+                try:
+                    seen[r] = (pending.reports / f"rank-{r}").read_text()
+                except OSError:
+                    pass
+        if len(seen) == world or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    silent = [r for r in range(world) if r not in seen]
+    reported = [(r, text) for r, text in sorted(seen.items()) if text]
+    if silent:  # the survivors' own errors are most likely the lost peer's doing
+        failures = [
+            (r, f"no report within {pending.grace:g} s (killed, stopped or disconnected)")
+            for r in silent
+        ]
+        seen_text = _failures_text(reported) if reported else str(lost)
+        tail = f"the other ranks saw: {seen_text}"
+    else:
+        failures = reported or [(rank, f"a collective failed: {lost}")]
+        tail = f"then a collective failed: {lost}"
+    if rank == min(seen, default=rank) and 0 not in silent:
+        shutil.rmtree(pending.partial, ignore_errors=True)
+    return _save_error(
+        pending,
+        failures,
+        f"{tail}. Nothing was committed and earlier checkpoints are intact "
+        f"({pending.partial.name} is ignored on resume and removed by the next successful save)",
+    )
 
 
 def begin_save(
-    final: Path, build: Callable[[], dict[str, Any]], group: dist.ProcessGroup | None
+    final: Path,
+    build: Callable[[], dict[str, Any]],
+    group: dist.ProcessGroup | None,
+    step: int | None = None,
 ) -> tuple[PendingSave, dict[str, Any]]:
     """Clear a stale partial directory and build every rank's state; fail on all ranks together."""
-    pending = PendingSave(final, partial_path(final))
+    pending = PendingSave(
+        final,
+        partial_path(final),
+        step=step,
+        grace=group_timeout(group).total_seconds() if dist.is_initialized() else 0.0,
+        attempt=next(_ATTEMPTS),
+    )
 
     def prepare() -> None:
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -175,11 +286,15 @@ def begin_save(
             state = build()
         except Exception as exc:
             error = exc
-    failures = agree(error, group)
+    try:
+        failures = agree(error, group)
+    except PeerLost as lost:
+        raise peer_lost(pending, None if error is None else error_text(error), lost, group) from (
+            error or lost
+        )
     if failures:
-        raise CheckpointSaveError(
-            f"saving {final} failed before anything was written ({_failures_text(failures)}); "
-            "earlier checkpoints are intact"
+        raise _save_error(
+            pending, failures, "nothing was written; earlier checkpoints are intact"
         ) from error
     return pending, state
 
@@ -223,7 +338,11 @@ def finish_async(
     group: dist.ProcessGroup | None,
     housekeeping: Callable[[], None] | None = None,
 ) -> None:
-    """Wait for an async save on this rank, then commit it (or clean it up) on all ranks."""
+    """Wait for an async save on this rank, then commit it (or clean it up) on all ranks.
+
+    The background write runs its collectives on the async-save group, whose timeout bounds
+    this wait when a peer is gone.
+    """
     error: BaseException | None = None
     assert pending.future is not None
     try:
@@ -239,23 +358,46 @@ def commit(
     group: dist.ProcessGroup | None,
     housekeeping: Callable[[], None] | None = None,
 ) -> None:
-    """Make a written checkpoint visible under its final name, once all ranks succeeded.
+    """Checksum the files each rank wrote, then make the checkpoint visible under its final
+    name (with ``checksums.json``), once all ranks succeeded.
 
     ``housekeeping`` (deleting old checkpoints) runs on the coordinator right after the
     rename; every rank returns after it.
     """
-    failures = agree(error, group)
+    sums: dict[str, Any] = {}
+    if error is None:
+        try:
+            sums = _checksum.compute(
+                pending.partial,
+                _checksum.own_files(pending.partial, _rank(group), _rank(group) == 0),
+            )
+        except OSError as exc:
+            error = exc
+    mine = None if error is None else error_text(error)
+    try:
+        outcomes = gather((mine, sums), group)
+    except PeerLost as lost:
+        raise peer_lost(pending, mine, lost, group) from (error or lost)
+    failures = [(r, e) for r, (e, _) in enumerate(outcomes) if e is not None]
     if failures:
         _on_coordinator(group, lambda: shutil.rmtree(pending.partial, ignore_errors=True))
-        agree(None, group)  # nobody returns before the partial files are gone
-        raise CheckpointSaveError(
-            f"saving {pending.final} failed ({_failures_text(failures)}); the partial files "
-            "were removed and earlier checkpoints are intact"
+        try:
+            agree(None, group)  # nobody returns before the partial files are gone
+        except PeerLost as lost:
+            raise peer_lost(pending, mine, lost, group) from (error or lost)
+        raise _save_error(
+            pending,
+            failures,
+            "the partial files were removed and earlier checkpoints are intact",
         ) from error
+    recorded: dict[str, Any] = {}
+    for _, part in outcomes:
+        recorded.update(part)
 
     def rename() -> None:
         if not is_complete(pending.partial):
             raise CheckpointSaveError(f"{pending.partial} has no {METADATA_FILE} after the save")
+        _checksum.write_sidecar(pending.partial, recorded)
         old = pending.final.parent / f".{pending.final.name}.old"
         if pending.final.exists():
             if old.exists():
@@ -267,74 +409,153 @@ def commit(
         if housekeeping is not None:
             housekeeping()
 
-    failures = agree(_on_coordinator(group, rename), group)
+    error = _on_coordinator(group, rename)
+    try:
+        failures = agree(error, group)
+    except PeerLost as lost:
+        raise peer_lost(pending, mine, lost, group) from lost
     if failures:
-        raise CheckpointSaveError(
-            f"committing {pending.final} failed ({_failures_text(failures)}); earlier "
-            "checkpoints are intact"
-        )
+        raise _save_error(pending, failures, "committing it failed; earlier checkpoints are intact")
 
 
 # -- loading --------------------------------------------------------------------------------------
 
 
 def read_metadata(path: Path) -> Metadata:
+    check_present(path)
+    try:
+        return _checksum.read_metadata(path)
+    except ValueError as exc:
+        problem = _checksum.Problem(METADATA_FILE, str(exc))
+        raise CheckpointLoadError(
+            _damaged_text(path, [problem]), path=path, problems=[problem]
+        ) from exc
+
+
+def check_present(path: Path) -> None:
+    """A finished checkpoint directory is there (its files are not looked at)."""
     if not path.is_dir():
-        raise CheckpointLoadError(f"no checkpoint directory at {path}")
+        raise CheckpointLoadError(f"no checkpoint directory at {path}", path=path)
     if not is_complete(path):
         raise CheckpointLoadError(
             f"{path} is not a complete checkpoint (no {METADATA_FILE}: the save did not finish); "
-            "load an earlier one"
+            "load an earlier one",
+            path=path,
         )
-    return dcp.FileSystemReader(path).read_metadata()
+
+
+def _damaged_text(path: Path, problems: list[_checksum.Problem]) -> str:
+    lines = "".join(f"\n  {p}" for p in problems)
+    n = len(problems)
+    return (
+        f"cannot load checkpoint {path}: {n} damaged file{'s' if n != 1 else ''}:{lines}\n"
+        "Nothing was loaded: the model and optimizer are unchanged. Load an earlier "
+        "checkpoint (CheckpointManager.resume() does so by itself); `hyperfsdp ckpt verify "
+        f"{path}` checks a checkpoint without loading it."
+    )
+
+
+def _staging(state: Any) -> Any:
+    """A copy of a state dict's containers whose tensors are fresh, uninitialized tensors of
+    the same kind (a DTensor stays a DTensor with the same mesh and placements): DCP reads
+    into these, and the live tensors are only written once everything was read."""
+    if isinstance(state, torch.Tensor):
+        return torch.empty_like(state)
+    if isinstance(state, dict):
+        return {k: _staging(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_staging(v) for v in state]
+    return state
 
 
 def load(
-    path: Path, state: TrainState, group: dist.ProcessGroup | None, *, restore_rng: bool
+    path: Path,
+    state: TrainState,
+    group: dist.ProcessGroup | None,
+    *,
+    restore_rng: bool,
+    verify: bool = True,
 ) -> dict[str, Any]:
-    """Validate, then load ``path`` into ``state``; returns the trainer section (or ``{}``)."""
+    """Check, read, then apply ``path`` to ``state``; returns the trainer section (or ``{}``).
+
+    Transactional: the files are checked (sizes always, checksums with ``verify``), keys,
+    shapes and dtypes validated, and every tensor and object read into fresh memory before
+    anything is written into the model, the optimizers, the stateful objects or the RNG.
+    Any failure raises on every rank with all of them exactly as they were.
+    """
     metadata: Metadata | None = None
+    problems: list[_checksum.Problem] = []
     error: BaseException | None = None
     try:
-        metadata = read_metadata(path)
+        check_present(path)
+        metadata, problems, _ = _checksum.verify(path, (_rank(group), _world(group)), verify)
+    except CheckpointLoadError as exc:
+        error = exc
+        problems = list(exc.problems)
     except Exception as exc:
         error = exc
-    failures = agree(error, group)
+    outcomes = gather((None if error is None else error_text(error), problems), group)
+    everyone = sorted({p for _, ps in outcomes for p in ps}, key=lambda p: p.file)
+    if everyone:
+        raise CheckpointLoadError(_damaged_text(path, everyone), path=path, problems=everyone)
+    failures = [(r, e) for r, (e, _) in enumerate(outcomes) if e is not None]
     if failures:
-        raise CheckpointLoadError(f"cannot load {path} ({_failures_text(failures)})") from error
+        raise CheckpointLoadError(
+            f"cannot load {path} ({_failures_text(failures)})", path=path
+        ) from error
     assert metadata is not None
 
     stored = metadata.state_dict_metadata
     me = rank_key(group)
     target, fresh, chosen = state.template(list(stored), me)
-    mismatches = find_mismatches(flatten(target), metadata, target.keys())
-    failures = agree(CheckpointMismatchError(str(path), mismatches) if mismatches else None, group)
-    if failures:
+    try:
+        mismatches = find_mismatches(flatten(target), metadata, target.keys())
+        failures = agree(
+            CheckpointMismatchError(str(path), mismatches) if mismatches else None, group
+        )
+        if failures:
+            if mismatches:
+                raise CheckpointMismatchError(str(path), mismatches)
+            raise CheckpointLoadError(f"cannot load {path} ({_failures_text(failures)})", path=path)
+
+        staged = {k: (_staging(v) if k in (MODEL, OPTIM) else v) for k, v in target.items()}
+        trainer = {k.split(".", 1)[1]: None for k in stored if k.startswith(TRAINER + ".")}
+        if trainer:
+            staged[TRAINER] = trainer
+        rng_prefix = f"{RNG}.{me}."
+        rng = {k[len(rng_prefix) :]: None for k in stored if k.startswith(rng_prefix)}
+        if restore_rng and rng:
+            staged[RNG] = {me: rng}
+        error = None
+        decoded: dict[str, Any] = {}
+        try:
+            dcp.load(staged, storage_reader=dcp.FileSystemReader(path), process_group=group)
+            decoded = state.decode(staged, chosen)
+        except FAILURES as exc:
+            error = exc
+        failures = agree(error, group)
+        if failures:
+            raise CheckpointLoadError(
+                f"cannot load checkpoint {path}: reading it failed ({_failures_text(failures)}). "
+                "Nothing was loaded: the model and optimizer are unchanged.",
+                path=path,
+            ) from error
+    except BaseException:
         for opt in fresh:  # get_state_dict initialized them; leave them as they were
             opt.state.clear()
-        if mismatches:
-            raise CheckpointMismatchError(str(path), mismatches)
-        raise CheckpointLoadError(f"cannot load {path} ({_failures_text(failures)})")
+        raise
 
-    trainer = {k.split(".", 1)[1]: None for k in stored if k.startswith(TRAINER + ".")}
-    if trainer:
-        target[TRAINER] = trainer
-    rng_prefix = f"{RNG}.{me}."
-    rng = {k[len(rng_prefix) :]: None for k in stored if k.startswith(rng_prefix)}
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
-    if restore_rng and rng:
-        target[RNG] = {me: rng}
-    dcp.load(target, storage_reader=dcp.FileSystemReader(path), process_group=group)
-    state.restore(target, chosen)
-    info = dict(target.get(TRAINER, {}))
+    # everything is read: apply it
+    state.apply(staged, decoded)
+    info = dict(staged.get(TRAINER, {}))
     saved_world = info.get("world_size")
     if restore_rng and any(k.startswith(RNG + ".") for k in stored):
-        if RNG in target and saved_world == world:
-            set_rng_state(target[RNG][me])
+        if RNG in staged and saved_world == _world(group):
+            set_rng_state(staged[RNG][me])
         else:
             warnings.warn(
                 f"hyperfsdp-dcp: {path} was saved by {saved_world} ranks and is "
-                f"loaded by {world}: RNG states are not restored",
+                f"loaded by {_world(group)}: RNG states are not restored",
                 stacklevel=3,
             )
     return info

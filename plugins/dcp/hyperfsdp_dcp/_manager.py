@@ -17,7 +17,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from . import _io
+from ._errors import CheckpointLoadError
 from ._state import RNG, TRAINER, TrainState, rank_key, rng_state, trainer_section
+from ._torch_private import group_timeout
 
 
 class CheckpointManager:
@@ -48,7 +50,13 @@ class CheckpointManager:
         written by a background thread over a dedicated gloo group); the next save, ``wait()``,
         ``resume()`` and ``close()`` wait for it and commit it.
     :param process_group: the ranks that save together (default: the default group).
-    :param timeout: the timeout of the dedicated async-save group's collectives.
+    :param timeout: how long to wait for a peer: the timeout of the dedicated async-save
+        group's collectives, and the most the manager waits for an async write in flight when
+        it exits after a failure. Default: ``process_group``'s own timeout
+        (``init_process_group(timeout=)``), so that a dead or stopped rank holds the job no
+        longer than the training collectives would.
+    :param verify: check each data file's CRC-32 (recorded at save) before loading it; the
+        sizes are always checked.
     :param options: ``StateDictOptions`` for ``get_state_dict``/``set_state_dict``.
     """
 
@@ -64,7 +72,8 @@ class CheckpointManager:
         async_save: bool = False,
         save_rng: bool = True,
         process_group: dist.ProcessGroup | None = None,
-        timeout: timedelta = timedelta(minutes=30),
+        timeout: timedelta | None = None,
+        verify: bool = True,
         options: StateDictOptions | None = None,
     ) -> None:
         if every is not None and every < 1:
@@ -82,7 +91,10 @@ class CheckpointManager:
         self.save_rng = save_rng
         self.group = process_group
         self.async_save = async_save
+        if timeout is None:
+            timeout = group_timeout(process_group) if dist.is_initialized() else timedelta(0)
         self.timeout = timeout
+        self.verify = verify
         self._async_group: dist.ProcessGroup | None = None
         if async_save and dist.is_initialized():
             # Background writes must not share a process group with training collectives.
@@ -131,7 +143,7 @@ class CheckpointManager:
                 state[RNG] = {me: rng_state()}
             return state
 
-        pending, state = _io.begin_save(self.path(step), build, self.group)
+        pending, state = _io.begin_save(self.path(step), build, self.group, step)
         if self.async_save and self._async_group is not None:
             try:
                 _io.write_async(pending, state, self.group, self._async_group)
@@ -167,26 +179,55 @@ class CheckpointManager:
 
     # -- loading ----------------------------------------------------------------------------------
     def resume(self, step: int | None = None) -> int:
-        """Load the newest complete checkpoint (or ``step``); returns its step, 0 if none.
+        """Load the newest checkpoint that loads (or ``step``); returns its step, 0 if none.
 
-        Every rank loads the same step (rank 0 of the group decides). Keys, global shapes and
-        dtypes are checked first: a mismatch raises :class:`CheckpointMismatchError` naming
-        every offending key, with nothing loaded.
+        Every rank loads the same step (rank 0 of the group decides). Each candidate is
+        checked before anything is loaded (file sizes, checksums, keys, global shapes and
+        dtypes); one that fails is skipped with a warning saying why, and the next older one
+        is tried, so a damaged newest checkpoint costs the steps since the one before. When
+        none loads, the newest one's error is raised (:class:`CheckpointLoadError`, or
+        :class:`CheckpointMismatchError` for a model that does not match). With ``step``,
+        only that checkpoint is tried.
         """
         self.wait()
-        chosen = [step if step is not None else self.latest()]
+        candidates = [step] if step is not None else self.steps()[::-1]
         if dist.is_initialized():
+            box = [candidates]
             src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-            dist.broadcast_object_list(chosen, src=src, group=self.group)
-        if chosen[0] is None:
+            dist.broadcast_object_list(box, src=src, group=self.group)
+            candidates = box[0]
+        if not candidates:
             return 0
-        info = self.load(chosen[0])
-        saved = info.get("step", chosen[0])
-        return int(chosen[0] if saved is None or saved < 0 else saved)
+        errors: list[CheckpointLoadError] = []
+        for candidate in candidates:
+            try:
+                info = self.load(candidate)
+            except CheckpointLoadError as exc:  # the same on every rank
+                if step is not None:
+                    raise
+                errors.append(exc)
+                warnings.warn(
+                    f"hyperfsdp-dcp: resume skips {self.path(candidate)} (it does not load): {exc}",
+                    stacklevel=2,
+                )
+                continue
+            saved = info.get("step", candidate)
+            return int(candidate if saved is None or saved < 0 else saved)
+        raise errors[0]
 
     def load(self, step: int) -> dict[str, Any]:
-        """Load ``root/step-<step>``; returns its trainer section (``step``, ``world_size``)."""
-        return _io.load(self.path(step), self.state, self.group, restore_rng=self.save_rng)
+        """Load ``root/step-<step>``; returns its trainer section (``step``, ``world_size``).
+
+        Transactional (see :func:`hyperfsdp_dcp.load_checkpoint`): on failure every rank
+        raises :class:`CheckpointLoadError` and nothing was changed.
+        """
+        return _io.load(
+            self.path(step),
+            self.state,
+            self.group,
+            restore_rng=self.save_rng,
+            verify=self.verify,
+        )
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
@@ -211,9 +252,10 @@ class CheckpointManager:
             self.close()
             return
         # The loop failed: its peers may never reach another collective, so nothing is
-        # committed. An async write in flight is let finish locally (bounded by the
-        # timeout) so that no thread keeps writing; it stays a partial directory, which
-        # resume() ignores and the next save removes.
+        # committed. An async write in flight is let finish locally, for at most the
+        # timeout (the process group's by default: its own collectives give up by then
+        # when a peer is gone), so that no thread keeps writing; it stays a partial
+        # directory, which resume() ignores and the next save removes.
         pending, self._pending = self._pending, None
         finished = True
         if pending is not None and pending.future is not None:

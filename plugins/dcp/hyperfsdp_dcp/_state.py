@@ -131,8 +131,16 @@ class TrainState:
             out[name] = {key: None}
         return out, fresh, chosen
 
-    def restore(self, loaded: Mapping[str, Any], chosen: Mapping[str, str]) -> None:
-        """Apply loaded sections: model and optimizers through ``set_state_dict``."""
+    def decode(self, loaded: Mapping[str, Any], chosen: Mapping[str, str]) -> dict[str, Any]:
+        """Each stateful object's state, unpickled from its loaded item (nothing is applied)."""
+        return {
+            name: torch.load(io.BytesIO(loaded[name][chosen[name]]), weights_only=False)
+            for name in self.stateful
+        }
+
+    def apply(self, loaded: Mapping[str, Any], decoded: Mapping[str, Any]) -> None:
+        """Apply loaded sections: model and optimizers through ``set_state_dict``, then each
+        stateful object's decoded state."""
         if self.optimizers:
             set_state_dict(
                 self.model,
@@ -144,8 +152,7 @@ class TrainState:
         else:
             set_model_state_dict(self.model, loaded[MODEL], options=self.options)
         for name, obj in self.stateful.items():
-            blob = loaded[name][chosen[name]]
-            obj.load_state_dict(torch.load(io.BytesIO(blob), weights_only=False))
+            obj.load_state_dict(decoded[name])
 
 
 # -- the trainer section and RNG states --------------------------------------------------------

@@ -9,6 +9,8 @@ import attrs
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from ._errors import CheckpointLoadError
+
 
 @attrs.frozen
 class Mismatch:
@@ -39,25 +41,30 @@ class Mismatch:
         )
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(CheckpointLoadError, ValueError):
     """The checkpoint does not match the model, optimizer or stateful objects; nothing was loaded.
 
-    ``mismatches`` lists every offending key (:class:`Mismatch`).
+    ``mismatches`` lists every offending key (:class:`Mismatch`). A
+    :class:`CheckpointLoadError` (and, as before, a ``ValueError``).
     """
 
     def __init__(self, path: str, mismatches: list[Mismatch]) -> None:
-        self.path = path
         self.mismatches = list(mismatches)
         lines = "\n".join(f"  {m}" for m in self.mismatches)
         n = len(self.mismatches)
-        super().__init__(
+        CheckpointLoadError.__init__(
+            self,
             f"checkpoint {path} does not match what it is loaded into ({n} "
             f"mismatch{'es' if n != 1 else ''}); nothing was loaded, the model and optimizer "
             f"are unchanged:\n{lines}\n"
             "Build the model (and optimizer) exactly as the one that saved the checkpoint: same "
             "parameters, global shapes and dtypes (`hyperfsdp ckpt inspect "
-            f"{path}` lists them), or load a checkpoint saved from this model."
+            f"{path}` lists them), or load a checkpoint saved from this model.",
+            path=path,
         )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.path, self.mismatches))
 
 
 def _describe(md: Any) -> str:

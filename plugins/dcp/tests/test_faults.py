@@ -1,0 +1,320 @@
+"""Checkpoints that survive damage, and failed saves that say where they failed.
+
+Each fault leaves the live model and optimizer byte-identical, raises the right error class
+with a message naming the checkpoint and the file (or the step and the rank), and
+``resume()`` lands on the previous good checkpoint, from which training reproduces the
+uninterrupted run's losses.
+
+Killed and stopped ranks run in processes of their own (the persistent rank pool would be
+torn down) with a 3 s process-group timeout, so that nothing waits for long.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from dcp_testlib import assert_bitwise, build, full_state, optimizer, shard, train_step
+from hyperfsdp_dcp import (
+    CheckpointLoadError,
+    CheckpointManager,
+    CheckpointMismatchError,
+    load_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from torch.distributed.device_mesh import DeviceMesh
+
+from hyperfsdp_core.cli import main
+from hyperfsdp_core.testing.reference import MLPStack
+
+KIND = "mlp"
+STEPS = 6  # the uninterrupted run; checkpoints at steps 2 and 4
+PG_TIMEOUT = 3.0
+
+
+def new_manager(root, model, opt, **kwargs) -> CheckpointManager:
+    return CheckpointManager(root, model=model, optimizer=opt, every=2, **kwargs)
+
+
+def uninterrupted_losses() -> list[float]:
+    model = shard(build(KIND))
+    opt = optimizer(model)
+    return [train_step(KIND, model, opt, step) for step in range(STEPS)]
+
+
+def resumed_losses(root) -> tuple[int, list[float], list[str]]:
+    """A fresh job (other initial values) resumes from ``root`` and trains to STEPS."""
+    model = shard(build(KIND, seed=3))
+    opt = optimizer(model)
+    manager = new_manager(root, model, opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        start = manager.resume()
+    manager.close()
+    skipped = [str(w.message) for w in caught if "resume skips" in str(w.message)]
+    return start, [train_step(KIND, model, opt, step) for step in range(start, STEPS)], skipped
+
+
+# -- damaged files ------------------------------------------------------------------------------
+
+
+def _flip_inside(path: Path, needle: bytes) -> None:
+    """Flip the lowest bit of a float's mantissa inside tensor data: still a valid file."""
+    data = bytearray(path.read_bytes())
+    at = data.find(needle)
+    assert at >= 0, f"tensor bytes not found in {path}"
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def damage(ckpt: Path, how: str, needle: bytes) -> str:
+    """Damage a copy of a checkpoint; returns the file whose name the error must carry."""
+    if how == "truncated":
+        victim = ckpt / "__1_0.distcp"
+        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    elif how == "flipped":
+        victim = ckpt / "__0_0.distcp"
+        _flip_inside(victim, needle)
+    elif how == "metadata":
+        victim = ckpt / ".metadata"
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2 :] = b"\x00" * (len(data) - len(data) // 2)
+        victim.write_bytes(bytes(data))
+    else:
+        raise ValueError(how)
+    return victim.name
+
+
+EXPECTED = {
+    "truncated": "truncated",
+    "flipped": "content changed since the save",
+    "metadata": "content changed since the save",
+}
+
+
+def damaged_loads(root: str) -> dict:
+    root = Path(root)
+    rank = dist.get_rank()
+    model = shard(build(KIND))
+    opt = optimizer(model)
+    manager = new_manager(root / "run", model, opt)
+    for step in range(STEPS):
+        train_step(KIND, model, opt, step)
+        if step + 1 < STEPS:
+            manager.maybe_save(step + 1)
+        if step + 1 == 4:  # the bytes of rank 0's rows of one weight, as saved
+            needle = model.layers[1].weight.to_local().detach().numpy().tobytes()
+    manager.close()
+    before = full_state(model, opt)  # the live model at step 6: differs from both checkpoints
+    out: dict = {}
+    for how in ("truncated", "flipped", "metadata", "shape"):
+        copy = root / how
+        if rank == 0:
+            shutil.copytree(root / "run", copy)
+            if how != "shape":
+                out[how] = damage(copy / "step-4", how, needle)
+        dist.barrier()
+        if how == "shape":  # step-4 written by a model whose first layer is wider
+            torch.manual_seed(0)
+            wide = shard(MLPStack([5, 9, 3, 6, 2]))
+            save_checkpoint(copy / "step-4", wide, optimizer(wide), step=4)
+            expected, error_class = "global shape", CheckpointMismatchError
+        else:
+            expected, error_class = EXPECTED[how], CheckpointLoadError
+        try:
+            load_checkpoint(copy / "step-4", model, opt)
+        except CheckpointLoadError as exc:
+            assert type(exc) is error_class, (how, type(exc), str(exc))
+            message = str(exc)
+        else:
+            raise AssertionError(f"{how}: the damaged checkpoint loaded")
+        assert str(copy / "step-4") in message, message
+        if how != "shape":
+            name = [out.get(how)]
+            dist.broadcast_object_list(name, src=0)
+            assert f"{name[0]}: {expected}" in message, message
+        else:
+            assert "model.layers.0.weight: global shape (9, 5)" in message, message
+        assert_bitwise(full_state(model, opt), before, f"{how}: after the failed load")
+        dist.barrier()
+    # the switch that skips checksums: a flipped bit then loads (sizes are still checked)
+    load_checkpoint(root / "flipped" / "step-4", model, opt, verify=False)
+    try:
+        load_checkpoint(root / "truncated" / "step-4", model, opt, verify=False)
+    except CheckpointLoadError as exc:
+        assert "__1_0.distcp: truncated" in str(exc), str(exc)
+    else:
+        raise AssertionError("a truncated file loaded with verify=False")
+    dist.barrier()
+
+    expected_losses = uninterrupted_losses()
+    for how in ("truncated", "flipped", "metadata", "shape"):
+        start, losses, skipped = resumed_losses(root / how)
+        assert start == 2, (how, start)
+        assert losses == expected_losses[2:], (how, losses, expected_losses)
+        assert len(skipped) == 1 and str(root / how / "step-4") in skipped[0], skipped
+    start, losses, skipped = resumed_losses(root / "run")
+    assert (start, losses, skipped) == (4, expected_losses[4:], [])
+    return out
+
+
+def test_damaged_checkpoints(run_ranks, tmp_path, capsys):
+    out = run_ranks(2, damaged_loads, str(tmp_path))[0]
+    # offline: the intact checkpoint passes, each damaged one names its file
+    intact = verify_checkpoint(tmp_path / "run" / "step-4")
+    assert intact.ok and intact.has_checksums and intact.files == 2, str(intact)
+    assert main(["ckpt", "verify", str(tmp_path / "run")]) == 0
+    for how, name in out.items():
+        result = verify_checkpoint(tmp_path / how / "step-4")
+        assert [p.file for p in result.problems] == [name], str(result)
+        assert EXPECTED[how] in str(result), str(result)
+        assert main(["ckpt", "verify", str(tmp_path / how / "step-4")]) == 1
+    capsys.readouterr()
+    assert main(["ckpt", "verify", str(tmp_path / "truncated")]) == 1
+    text = capsys.readouterr().out.splitlines()
+    assert text[0].startswith(f"{tmp_path / 'truncated' / 'step-4'}: DAMAGED, 1 problem:"), text
+    assert text[1].startswith("  __1_0.distcp: truncated:"), text
+    assert text[2] == (
+        f"{tmp_path / 'truncated' / 'step-2'}: OK, 2 data files, sizes and CRC-32 checksums match"
+    ), text
+
+
+# -- killed and stopped ranks -------------------------------------------------------------------
+
+
+def _kill_self_in_write(sig: int):
+    original = dcp.FileSystemWriter.write_data
+
+    def write_data(writer, plan, planner):
+        future = original(writer, plan, planner)
+        future.wait()  # some files are on disk
+        os.kill(os.getpid(), sig)
+        time.sleep(60)  # a stopped thread never returns
+        return future
+
+    dcp.FileSystemWriter.write_data = write_data
+
+
+def fault_rank(rank, world, store_path, root, scenario, victim, out_dir) -> None:
+    """One rank of a job whose ``victim`` rank is killed (or stopped) while saving step 4."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    # A generous timeout for the rendezvous (processes start slowly on a loaded machine),
+    # then the job's group, with a short one, once every rank is up.
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store_path, world),
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=120),
+    )
+    dist.barrier()
+    group = dist.new_group(timeout=timedelta(seconds=PG_TIMEOUT))
+    result: dict = {}
+    start = time.monotonic()
+    model = shard(build(KIND), DeviceMesh.from_group(group, "cpu"))
+    opt = optimizer(model)
+    manager = new_manager(root, model, opt, async_save=scenario == "stop", process_group=group)
+    try:
+        with manager:
+            for step in range(2):
+                train_step(KIND, model, opt, step)
+            manager.save(2)
+            manager.wait()
+            for step in range(2, 4):
+                train_step(KIND, model, opt, step)
+            if rank == victim:
+                _kill_self_in_write(signal.SIGKILL if scenario == "kill" else signal.SIGSTOP)
+            start = time.monotonic()
+            try:
+                manager.save(4)
+                if scenario == "stop":  # the loop goes on; its next collective times out
+                    if rank == victim:
+                        time.sleep(60)  # stopped by its writer thread meanwhile
+                    train_step(KIND, model, opt, 4)
+            finally:
+                result["raised_after"] = time.monotonic() - start
+    except Exception as exc:
+        result.update(error=type(exc).__name__, message=str(exc))
+        result["step"] = getattr(exc, "step", None)
+        result["ranks"] = getattr(exc, "ranks", None)
+    result["exited_after"] = time.monotonic() - start
+    (Path(out_dir) / f"rank-{rank}.json").write_text(json.dumps(result))
+    sys.stdout.flush()
+    os._exit(0)  # no process-group teardown with a dead peer
+
+
+def run_job(world: int, scenario: str, victim: int, tmp_path: Path) -> dict[int, dict]:
+    ctx = multiprocessing.get_context("spawn")
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    args = (str(tmp_path / "store"), str(tmp_path / "ckpt"), scenario, victim, str(out_dir))
+    procs = [ctx.Process(target=fault_rank, args=(r, world, *args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + 90
+    try:
+        for r, p in enumerate(procs):
+            if r != victim:
+                p.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()  # the stopped victim; a survivor still here is a hang
+            p.join(10)
+    results = {}
+    for r in range(world):
+        if r != victim:
+            path = out_dir / f"rank-{r}.json"
+            assert path.exists(), (
+                f"rank {r} did not finish ({scenario}): exit code {procs[r].exitcode}"
+            )
+            results[r] = json.loads(path.read_text())
+    return results
+
+
+def resume_after_fault(root: str) -> tuple[int, bool]:
+    start, losses, skipped = resumed_losses(root)
+    expected = uninterrupted_losses()[start:]
+    assert losses == expected and not skipped, (losses, expected, skipped)
+    return start, True
+
+
+@pytest.mark.parametrize(("world", "victim"), [(4, 0)])  # the coordinator; three survivors
+def test_rank_killed_during_save(run_ranks, tmp_path, world, victim):
+    results = run_job(world, "kill", victim, tmp_path)
+    for rank, r in results.items():
+        assert r.get("error") == "CheckpointSaveError", (rank, r)
+        assert r["step"] == 4 and r["ranks"] == [victim], (rank, r)
+        assert (
+            f"saving step 4 ({tmp_path / 'ckpt' / 'step-4'}) failed on rank {victim}"
+            in (r["message"])
+        ), r["message"]
+        assert "no report within 3 s (killed, stopped or disconnected)" in r["message"]
+        assert r["exited_after"] < 4 * PG_TIMEOUT + 5, r
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step-*")) == ["step-2"]
+    assert run_ranks(world, resume_after_fault, str(tmp_path / "ckpt")) == [(2, True)] * world
+
+
+def test_rank_stopped_during_async_save(run_ranks, tmp_path):
+    results = run_job(2, "stop", 1, tmp_path)
+    r = results[0]
+    # the training step's collective times out; leaving the manager waits for the async
+    # write for at most the process group's timeout, not its own half hour
+    assert r.get("error") not in (None, "CheckpointSaveError"), r  # the transport's timeout
+    assert r["exited_after"] < 3 * PG_TIMEOUT + 5, r
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step-*")) == ["step-2"]
+    assert run_ranks(2, resume_after_fault, str(tmp_path / "ckpt")) == [(2, True)] * 2
