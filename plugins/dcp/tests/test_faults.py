@@ -88,6 +88,12 @@ def damage(ckpt: Path, how: str, needle: bytes) -> str:
     elif how == "flipped":
         victim = ckpt / "__0_0.distcp"
         _flip_inside(victim, needle)
+    elif how == "unchecked":  # no checksums to catch it: the read itself fails, on rank 1
+        (ckpt / "checksums.json").unlink()
+        victim = ckpt / "__1_0.distcp"
+        data = bytearray(victim.read_bytes())
+        data[:64] = b"\x00" * 64
+        victim.write_bytes(bytes(data))
     elif how == "metadata":
         victim = ckpt / ".metadata"
         data = bytearray(victim.read_bytes())
@@ -102,6 +108,7 @@ EXPECTED = {
     "truncated": "truncated",
     "flipped": "content changed since the save",
     "metadata": "content changed since the save",
+    "unchecked": "reading it failed",
 }
 
 
@@ -120,7 +127,7 @@ def damaged_loads(root: str) -> dict:
     manager.close()
     before = full_state(model, opt)  # the live model at step 6: differs from both checkpoints
     out: dict = {}
-    for how in ("truncated", "flipped", "metadata", "shape"):
+    for how in ("truncated", "flipped", "metadata", "unchecked", "shape"):
         copy = root / how
         if rank == 0:
             shutil.copytree(root / "run", copy)
@@ -142,7 +149,9 @@ def damaged_loads(root: str) -> dict:
         else:
             raise AssertionError(f"{how}: the damaged checkpoint loaded")
         assert str(copy / "step-4") in message, message
-        if how != "shape":
+        if how == "unchecked":  # rank 0 read its part: only the staging copy kept it out
+            assert EXPECTED[how] in message, message
+        elif how != "shape":
             name = [out.get(how)]
             dist.broadcast_object_list(name, src=0)
             assert f"{name[0]}: {expected}" in message, message
@@ -161,13 +170,14 @@ def damaged_loads(root: str) -> dict:
     dist.barrier()
 
     expected_losses = uninterrupted_losses()
-    for how in ("truncated", "flipped", "metadata", "shape"):
+    for how in ("truncated", "flipped", "metadata", "unchecked", "shape"):
         start, losses, skipped = resumed_losses(root / how)
         assert start == 2, (how, start)
         assert losses == expected_losses[2:], (how, losses, expected_losses)
         assert len(skipped) == 1 and str(root / how / "step-4") in skipped[0], skipped
     start, losses, skipped = resumed_losses(root / "run")
     assert (start, losses, skipped) == (4, expected_losses[4:], [])
+    out.pop("unchecked", None)  # nothing recorded to verify it against
     return out
 
 
