@@ -159,7 +159,8 @@ class FSDPModule:
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide reduced gradients by ``factor`` instead of the data-parallel size.
 
-        Works on every backend: the scaling is applied once, before a plain SUM.
+        Works on every backend: the collectives are plain SUMs, then the reduce-scatter
+        output is divided by ``factor`` (the all-reduce of HSDP parameters only sums).
         """
         if factor <= 0:
             raise ValueError(f"gradient divide factor must be positive, got {factor}")
@@ -249,8 +250,10 @@ class FSDPModule:
 
         FSDP2 reduces with ``AVG`` or a pre-multiplied sum unless this is set, then with
         ``SUM`` and a separate division. hyperfsdp always does the latter: every
-        reduce-scatter and all-reduce uses ``ReduceOp.SUM``, with the gradients scaled
-        once before it, so the collectives are SUM whatever ``enable`` is.
+        reduce-scatter and all-reduce uses ``ReduceOp.SUM``, and the results are divided
+        where FSDP2's ``AVG`` would divide (bit for bit FSDP2's on gloo by default). Under
+        HSDP with this flag set, FSDP2 divides once after the all-reduce, so the last bits
+        can differ (docs/design.md).
         """
         if not isinstance(enable, bool):
             raise TypeError(f"set_force_sum_reduction_for_comms expects a bool, got {enable!r}")

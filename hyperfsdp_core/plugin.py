@@ -24,7 +24,8 @@ refuses to load it on a mismatch.
   (returned by the ``hyperfsdp_transport`` hook) carries a unit's collectives, built from
   FSDP2's ``AllGather``/``ReduceScatter`` comm objects.
 - Gradients: reducers receive :class:`Reduction` objects (``params``, ``output``,
-  ``grad_of()``, ``defer()``/``release()``, ``consume()``, ``key``, ``unit``).
+  ``grad_of()``, ``defer()``/``release()``, ``consume()``, ``key``, ``unit``,
+  ``all_reduce_divisor``).
 """
 
 from ._collectives import PluginComm, Transport, Work

@@ -27,7 +27,9 @@ class CollectiveCounter:
     """Context manager recording ``(kind, group size, reduce op or None)`` per collective.
 
     ``kind`` is ``"ag"``, ``"rs"`` or ``"ar"``. Custom comms set with
-    ``set_custom_all_gather``/``set_custom_reduce_scatter`` bypass these call sites.
+    ``set_custom_all_gather``/``set_custom_reduce_scatter`` and transports that plugins
+    supply (``hyperfsdp_transport``) bypass these call sites; a collective observer
+    (``hyperfsdp_collective_observer``) sees those too.
     """
 
     def __init__(self) -> None:
