@@ -214,7 +214,8 @@ def peer_lost(pending: PendingSave, mine: str | None, lost: PeerLost, group) -> 
     which ranks are still there, through the checkpoint directory (every rank sees it).
 
     Each surviving rank writes a report (its own error, or none) under ``.<name>.failed/``
-    and waits up to the group's timeout for the others'; the ranks that never report are the
+    and waits up to twice the group's timeout for the others' (a survivor blocked on another
+    survivor that gave up notices only at its own timeout); the ranks that never report are the
     failing ones. Returns the error to raise, the same on every surviving rank.
     """
     rank, world = _rank(group), _world(group)
@@ -270,7 +271,8 @@ def begin_save(
         final,
         partial_path(final),
         step=step,
-        grace=group_timeout(group).total_seconds() if dist.is_initialized() else 0.0,
+        # a survivor may only notice a lost peer up to one timeout after another one does
+        grace=2 * group_timeout(group).total_seconds() + 1 if dist.is_initialized() else 0.0,
         attempt=next(_ATTEMPTS),
     )
 

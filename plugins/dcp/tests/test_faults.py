@@ -313,7 +313,7 @@ def test_rank_killed_during_save(run_ranks, tmp_path, world, victim):
             f"saving step 4 ({tmp_path / 'ckpt' / 'step-4'}) failed on rank {victim}"
             in (r["message"])
         ), r["message"]
-        assert "no report within 3 s (killed, stopped or disconnected)" in r["message"]
+        assert "no report within 7 s (killed, stopped or disconnected)" in r["message"]
         assert r["exited_after"] < 4 * PG_TIMEOUT + 5, r
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("step-*")) == ["step-2"]
     assert run_ranks(world, resume_after_fault, str(tmp_path / "ckpt")) == [(2, True)] * world
