@@ -414,6 +414,28 @@ class CommStats:
 _NO_STREAM = contextlib.nullcontext()
 
 
+_NOTE = "hyperfsdp: the "
+
+
+def describe_failure(error: BaseException, what) -> None:
+    """Add a note to ``error`` naming the failed collective: its kind, the unit (FQN), the
+    bytes and the group's ranks (the exception's type and message stay torch's or the
+    transport's; the note shows in its traceback and in ``error.__notes__``)."""
+    if what is None or any(n.startswith(_NOTE) for n in getattr(error, "__notes__", ())):
+        return
+    kind, unit, tensor, group = what
+    try:
+        ranks = dist.get_process_group_ranks(group) if group is not None else "default group"
+    except Exception:  # the group may be gone by now
+        ranks = "unknown"
+    nbytes = tensor.numel() * tensor.element_size()
+    error.add_note(
+        f"{_NOTE}{kind} of unit {unit or '<root>'!r} ({nbytes} bytes of "
+        f"{tensor.dtype}, ranks {ranks}) failed; if a peer died or stopped, its own log "
+        "says why"
+    )
+
+
 class Handle:
     """A pending collective. ``wait()`` is idempotent.
 
@@ -422,14 +444,15 @@ class Handle:
     current stream wait for it, without blocking the host).
     """
 
-    __slots__ = ("_done", "_event", "_module", "_work", "keepalive")
+    __slots__ = ("_done", "_event", "_module", "_what", "_work", "keepalive")
 
-    def __init__(self, work=None, event=None, keepalive=None, module=None) -> None:
+    def __init__(self, work=None, event=None, keepalive=None, module=None, what=None) -> None:
         self._work = work
         self._event = event
         self._module = module
         self._done = work is None and event is None
         self.keepalive = keepalive
+        self._what = what  # (kind, unit, tensor, group), for a failure's note
 
     @property
     def done(self) -> bool:
@@ -440,7 +463,11 @@ class Handle:
         if self._done:
             return
         if self._work is not None:
-            self._work.wait()
+            try:
+                self._work.wait()
+            except Exception as e:
+                describe_failure(e, self._what)
+                raise
         if self._event is not None:
             self._module.current_stream().wait_event(self._event)
         self._done = True
@@ -802,7 +829,14 @@ class Comm:
         t = self._route(transport)
         call = lambda: t.all_gather(out, inp, group, self.is_cpu)  # noqa: E731
         wait = not (ordered and self.gathers_ordered)
-        return self._issue(self.all_gather_stream, call, (out, inp), prepare, wait)
+        return self._issue(
+            self.all_gather_stream,
+            call,
+            (out, inp),
+            prepare,
+            wait,
+            ("all_gather", unit, out, group),
+        )
 
     def all_gather_in_place(
         self, buffer: torch.Tensor, group, transport: Transport | None = None, *, unit=None, prepare
@@ -812,7 +846,7 @@ class Comm:
         self._count_gather(buffer, group, unit)
         t = self._route(transport)
         call = lambda: t.all_gather_in_place(buffer, group)  # noqa: E731
-        return self._issue(None, call, (buffer,), prepare)
+        return self._issue(None, call, (buffer,), prepare, what=("all_gather", unit, buffer, group))
 
     def all_gather_rows(
         self,
@@ -831,7 +865,7 @@ class Comm:
         self._count_gather(buffer, group, unit)
         t = self._route(transport)
         call = lambda: t.all_gather_rows(rows, rank, group)  # noqa: E731
-        return self._issue(None, call, (buffer,), prepare)
+        return self._issue(None, call, (buffer,), prepare, what=("all_gather", unit, buffer, group))
 
     def add_unit_transports(self, pairs: list) -> None:
         """``(unit view, its parameter group)`` pairs of a root's units: the group's
@@ -893,7 +927,8 @@ class Comm:
         call = lambda: t.reduce_scatter(  # noqa: E731
             out, inp, group, op, self.is_cpu, scratch_input=scratch_input
         )
-        return self._issue(self.reduce_stream, call, (out, inp))
+        what = ("reduce_scatter", unit, inp, group)
+        return self._issue(self.reduce_stream, call, (out, inp), what=what)
 
     def all_reduce(
         self, tensor: torch.Tensor, group, op, transport: Transport | None = None, *, unit=None
@@ -904,13 +939,17 @@ class Comm:
             self._observe("all_reduce", group, tensor, unit)
         t = self._route(transport)
         call = lambda: t.all_reduce(tensor, group, op, self.is_cpu)  # noqa: E731
-        return self._issue(self.reduce_stream, call, (tensor,))
+        return self._issue(
+            self.reduce_stream, call, (tensor,), what=("all_reduce", unit, tensor, group)
+        )
 
     def broadcast(self, tensor: torch.Tensor, src: int, group, *, unit=None) -> Handle:
         if self.observers:
             self._observe("broadcast", group, tensor, unit)
         call = lambda: _broadcast(tensor, group_src=src, group=group, async_op=self.is_cpu)  # noqa: E731
-        return self._issue(self.reduce_stream, call, (tensor,))
+        return self._issue(
+            self.reduce_stream, call, (tensor,), what=("broadcast", unit, tensor, group)
+        )
 
     def _observe(self, kind: str, group, tensor: torch.Tensor, unit) -> None:
         event = CollectiveEvent(
@@ -923,23 +962,30 @@ class Comm:
         for observer in self.observers:
             observer(event)
 
-    def _issue(self, stream, call, keepalive, prepare=None, wait: bool = True) -> Handle:
+    def _issue(self, stream, call, keepalive, prepare=None, wait: bool = True, what=None) -> Handle:
         """Run one collective: async on CPU (a work handle, or none if it finished in
         place), on ``stream`` on accelerators, ordered after the work queued on the
-        current stream unless ``wait`` is false."""
-        if self.is_cpu:
-            if prepare is not None:
-                prepare()
-            work = call()
-            return Handle(work, keepalive=keepalive) if work is not None else Handle()
-        if wait:
-            stream.wait_stream(self._module.current_stream())
-        with self._module.stream(stream):
-            if prepare is not None:
-                prepare()
-            call()
-            event = stream.record_event()
-        return Handle(event=event, keepalive=keepalive, module=self._module)
+        current stream unless ``wait`` is false. ``what`` (kind, unit, tensor, group)
+        names the collective in the note a failure gets (:func:`describe_failure`)."""
+        try:
+            if self.is_cpu:
+                if prepare is not None:
+                    prepare()
+                work = call()
+                if work is None:
+                    return Handle()
+                return Handle(work, keepalive=keepalive, what=what)
+            if wait:
+                stream.wait_stream(self._module.current_stream())
+            with self._module.stream(stream):
+                if prepare is not None:
+                    prepare()
+                call()
+                event = stream.record_event()
+        except Exception as e:
+            describe_failure(e, what)
+            raise
+        return Handle(event=event, keepalive=keepalive, module=self._module, what=what)
 
     def current_stream(self):
         return self._module.current_stream()
