@@ -123,6 +123,18 @@ def evaluate(model, ref, mode, step):
     return global_loss(loss_fn(out, local_slice(y))), loss_fn(ref_out, y).item()
 
 
+def train_backward(model, ref, step):
+    """Forward and backward of both models on ``step``'s batch; a loss mismatch, if any."""
+    x, y = batch(step)
+    loss = loss_fn(model(local_slice(x)), local_slice(y))
+    loss.backward()
+    ref_loss = loss_fn(ref(x), y)
+    ref_loss.backward()
+    if not close(global_loss(loss), ref_loss.item()):
+        return [f"step {step}: loss {global_loss(loss)} != {ref_loss.item()}"]
+    return []
+
+
 def run_case(hold, mode, kind, impl, steps=3):
     """Train with an evaluation forward between each backward and step; the mismatches."""
     torch.manual_seed(0)
@@ -139,13 +151,7 @@ def run_case(hold, mode, kind, impl, steps=3):
     )
     bad = []
     for step in range(steps):
-        x, y = batch(step)
-        loss = loss_fn(model(local_slice(x)), local_slice(y))
-        loss.backward()
-        ref_loss = loss_fn(ref(x), y)
-        ref_loss.backward()
-        if not close(global_loss(loss), ref_loss.item()):
-            bad.append(f"step {step}: loss {global_loss(loss)} != {ref_loss.item()}")
+        bad += train_backward(model, ref, step)
         got, want = evaluate(model, ref, mode, step)
         if not close(got, want):
             bad.append(f"step {step}: evaluation loss {got} != {want}")
@@ -208,13 +214,7 @@ def unshard_then_step(kind, impl):
     for step in range(3):
         for block in model.blocks:
             block.unshard()
-        x, y = batch(step)
-        loss = loss_fn(model(local_slice(x)), local_slice(y))
-        loss.backward()
-        ref_loss = loss_fn(ref(x), y)
-        ref_loss.backward()
-        if not close(global_loss(loss), ref_loss.item()):
-            bad.append(f"step {step}: loss {global_loss(loss)} != {ref_loss.item()}")
+        bad += train_backward(model, ref, step)
         model.blocks[0].unshard()  # held across the step
         for o in (opt, ref_opt):
             o.step()
