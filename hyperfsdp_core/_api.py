@@ -110,8 +110,7 @@ def fully_shard(
     hsdp_params, locals_by_param = [], {}
     for fqn, param, mesh_info, shard_dim, layout, (param_dtype, reduce_dtype) in decisions:
         hp = HSDPParam(fqn, param, layout, registrations[id(param)], mesh_info, shard_dim)
-        hp.param_dtype = param_dtype or param.dtype
-        hp.reduce_dtype = reduce_dtype or hp.param_dtype
+        hp.set_dtypes(param_dtype, reduce_dtype)
         locals_by_param[id(hp)] = _initial_local(hp, layout.tensor, device)
         hsdp_params.append(hp)
         _RETIRED.add(param, fqn)

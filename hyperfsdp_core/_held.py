@@ -60,9 +60,8 @@ def hold(group: Holdable) -> None:
 
 def release(group: Holdable) -> None:
     """``group`` holds nothing any more."""
-    if group in _held:  # the common case (never held) without the lock
-        with _lock:
-            _held.discard(group)
+    with _lock:
+        _held.discard(group)
 
 
 def held_groups() -> list[Any]:

@@ -91,6 +91,12 @@ class HSDPParam:
         # Gradient kept across backwards with gradient sync disabled (reduce dtype).
         self.accumulated_grad: torch.Tensor | None = None
 
+    def set_dtypes(self, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> None:
+        """The compute and reduce dtypes a ``hyperfsdp_param_dtypes`` answer gives (``None``:
+        the original dtype, and the compute dtype for reductions)."""
+        self.param_dtype = param_dtype or self.orig_dtype
+        self.reduce_dtype = reduce_dtype or self.param_dtype
+
     # -- facts -------------------------------------------------------------------------------
     @property
     def needs_all_gather(self) -> bool:

@@ -235,6 +235,7 @@ class FSDPState:
                 # a list unit's modules converted since (to_empty, to), or
                 # a parameter re-assigned since fully_shard (e.g. a DTensor computed from
                 # the sharded one, or materialized from meta): train with it, as FSDP2 does
+                state.needs_reset = False  # rebuilt here, not again at its pre-forward
                 state.reset_sharded_params()
         check_materialized(states)
         comm = (

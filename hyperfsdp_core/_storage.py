@@ -83,8 +83,7 @@ def _decide_dtypes_again(state: FSDPState, params: list[HSDPParam]) -> None:
     for p in params:
         param_dtype, reduce_dtype = hook(unit=unit, param=p.sharded_param) or (None, None)
         p.orig_dtype = p.sharded_param.dtype
-        p.param_dtype = param_dtype or p.orig_dtype
-        p.reduce_dtype = reduce_dtype or p.param_dtype
+        p.set_dtypes(param_dtype, reduce_dtype)
         acc = p.accumulated_grad  # gradient kept with sync off, in the reduce dtype
         if acc is not None and acc.dtype != p.reduce_dtype:
             p.accumulated_grad = acc.to(p.reduce_dtype)
