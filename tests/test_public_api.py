@@ -43,6 +43,7 @@ PLUGIN_SOURCES = {
 #: Places that must hold files to check (a glob that silently matches nothing checks nothing).
 EXPECTED_PLUGINS = {
     "plugins/hsdp",
+    "plugins/qcomm",
     "examples/commlog",
     "hyperfsdp_core/_builtin",
 }
