@@ -13,7 +13,7 @@ import torch.distributed as dist
 from hyperfsdp_qcomm import QCommPolicy, dequantize_rows, error_bound, packed_size, quantize_rows
 from hyperfsdp_qcomm.plugin import QuantizedAllGather, QuantizedReduceScatter, QuantizedTransport
 
-from hyperfsdp_core import fully_shard
+from hyperfsdp_core import MixedPrecisionPolicy, fully_shard
 from hyperfsdp_core.plugin import hookimpl
 from hyperfsdp_core.testing import registered
 from hyperfsdp_core.testing.reference import Transformer, lm_loss, local_slice
@@ -259,13 +259,13 @@ def train(model, steps: int) -> list[float]:
     return losses
 
 
-def shard(model, impl=fully_shard) -> None:
+def shard(model, impl=fully_shard, **kwargs) -> None:
     for block in model.layers:
-        impl(block)
-    impl(model)
+        impl(block, **kwargs)
+    impl(model, **kwargs)
 
 
-def rank_train(all_gather, reduce_scatter, steps: int) -> dict:
+def rank_train(all_gather, reduce_scatter, steps: int, bf16_params: bool = False) -> dict:
     """Train the demo transformer with hyperfsdp, qcomm on (or off: both modes None)."""
     recorder = Recorder()
     hyperfsdp_qcomm.WIRE_BYTES.clear()
@@ -275,7 +275,10 @@ def rank_train(all_gather, reduce_scatter, steps: int) -> dict:
         hyperfsdp_qcomm.enable(
             model, all_gather=all_gather, reduce_scatter=reduce_scatter, min_numel=0
         )
-    shard(model)
+    if bf16_params:
+        shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    else:
+        shard(model)
     with registered(recorder, "recorder"), WireCounter() as wire:
         losses = train(model, steps)
     plugin_wire = collections.Counter()
@@ -331,3 +334,22 @@ def test_training_with_qcomm(run_ranks, world, reduce_scatter):
         rs = q["wire"]["reduce_scatter"] / e["observed"]["reduce_scatter"]
         assert ag <= 0.30, ag
         assert rs <= (0.30 if reduce_scatter == "int8" else 0.55), rs
+
+
+def test_training_with_bf16_parameters(run_ranks):
+    """Under ``MixedPrecisionPolicy(param_dtype=bf16)`` the all-gather input and the
+    reduce-scatter (reduce dtype = param dtype, as in FSDP2) are bf16: int8 halves both (plus
+    the scales), the sum is still fp32, and training stays within 1% of bf16 training with
+    exact communication."""
+    exact = run_ranks(2, rank_train, None, None, STEPS, True, timeout=TIMEOUT)
+    quant = run_ranks(2, rank_train, "int8", "int8", STEPS, True, timeout=TIMEOUT)
+    for e, q in zip(exact, quant):
+        assert q["routes"] == ["int8"]
+        gaps = [abs(a - b) / b for a, b in zip(q["losses"], e["losses"])]
+        assert max(gaps) <= 0.01, gaps
+        assert q["losses"] != e["losses"]
+        assert q["observed"] == e["observed"]
+        ag = q["wire"]["all_gather"] / e["observed"]["all_gather"]
+        rs = q["wire"]["reduce_scatter"] / e["observed"]["reduce_scatter"]
+        assert 0.5 < ag <= 0.52, ag  # bf16 on the logical side: (1 + 4/256) / 2
+        assert 0.5 < rs <= 0.52, rs
