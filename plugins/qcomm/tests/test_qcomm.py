@@ -265,7 +265,9 @@ def shard(model, impl=fully_shard, **kwargs) -> None:
     impl(model, **kwargs)
 
 
-def rank_train(all_gather, reduce_scatter, steps: int, bf16_params: bool = False) -> dict:
+def rank_train(
+    all_gather, reduce_scatter, steps: int, bf16_params: bool = False, hsdp: bool = False
+) -> dict:
     """Train the demo transformer with hyperfsdp, qcomm on (or off: both modes None)."""
     recorder = Recorder()
     hyperfsdp_qcomm.WIRE_BYTES.clear()
@@ -277,6 +279,10 @@ def rank_train(all_gather, reduce_scatter, steps: int, bf16_params: bool = False
         )
     if bf16_params:
         shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    elif hsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shard(model, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
     else:
         shard(model)
     with registered(recorder, "recorder"), WireCounter() as wire:
@@ -353,3 +359,19 @@ def test_training_with_bf16_parameters(run_ranks):
         rs = q["wire"]["reduce_scatter"] / e["observed"]["reduce_scatter"]
         assert 0.5 < ag <= 0.52, ag  # bf16 on the logical side: (1 + 4/256) / 2
         assert 0.5 < rs <= 0.52, rs
+
+
+def test_training_with_hsdp(run_ranks):
+    """HSDP (2 replicas x 2 shards, the hsdp plugin): the reduce-scatter over the shard group
+    and the all-gather are quantized, the replicate all-reduce stays exact; training stays
+    within 1% of exact communication."""
+    exact = run_ranks(4, rank_train, None, None, 15, False, True, timeout=TIMEOUT)
+    quant = run_ranks(4, rank_train, "int8", "int8", 15, False, True, timeout=TIMEOUT)
+    for e, q in zip(exact, quant):
+        assert q["routes"] == ["int8"]
+        gaps = [abs(a - b) / b for a, b in zip(q["losses"], e["losses"])]
+        assert max(gaps) <= 0.01, gaps
+        assert q["losses"] != e["losses"]
+        assert q["observed"] == e["observed"] and e["observed"]["all_reduce"] > 0
+        assert q["wire"]["all_gather"] / e["observed"]["all_gather"] <= 0.30
+        assert q["wire"]["reduce_scatter"] / e["observed"]["reduce_scatter"] <= 0.30
