@@ -9,8 +9,8 @@ as ``reduce_scatter`` from a list, and as an all-reduce followed by taking this 
 slice (all-gather also as an integer all-reduce of the bit patterns, exact for every
 value, -0.0 included); and the core's own: the point-to-point all-gather and, at
 world 2, the pair reduce-scatter (a send, a receive and one addition); and the same two
-through shared memory (``_shm.py``: ``ag_shm``, ``rs_shm``), as the core runs them between
-the ranks of one host. It also says whether each stand-in's result is bitwise equal to
+through shared memory (the hyperfsdp-shm plugin: ``ag_shm``, ``rs_shm``), as its transport
+runs them between the ranks of one host. It also says whether each stand-in's result is bitwise equal to
 the native one. Median milliseconds over ``--repeats`` runs, slowest rank; and the peak
 bytes malloc allocated inside each call beyond the caller's buffers (gloo's internal
 staging), sampled with ``mallinfo2`` over all threads.
@@ -46,7 +46,7 @@ def _time(fn, repeats: int) -> float:
 
 
 def _variants(world, rank, shard, inp, out, views, zero_padded, grads, rs_out, work, p2p, shm):
-    from hyperfsdp_core import _collectives as coll
+    from hyperfsdp_shm import _transport as coll
 
     rows = [p2p.view(world, shard)]
 
@@ -68,7 +68,7 @@ def _variants(world, rank, shard, inp, out, views, zero_padded, grads, rs_out, w
 
     def ag_p2p():  # the core's point-to-point all-gather (one member)
         rows[0][rank].copy_(inp)
-        coll._all_gather_p2p(rows, rank, group=None).wait()
+        coll.all_gather_p2p(rows, rank, None).wait()
 
     def ag_shm():  # the core's shared-memory all-gather, row by row (one member)
         rows[0][rank].copy_(inp)
@@ -83,9 +83,7 @@ def _variants(world, rank, shard, inp, out, views, zero_padded, grads, rs_out, w
 
     def rs_pair():  # the core's two-rank reduce-scatter (a send, a receive, one addition)
         if world == 2:
-            coll._reduce_scatter_pair(
-                rs_out, grads, op=dist.ReduceOp.SUM, group=None, rank=rank
-            ).wait()
+            coll.reduce_scatter_pair(rs_out, grads, dist.ReduceOp.SUM, None, rank).wait()
 
     def rs_list():
         dist.reduce_scatter(rs_out, list(grads.view(world, shard)))
@@ -124,7 +122,7 @@ def _extra_heap(fn) -> int:
 def rank_main(mib_list, repeats):
     from datetime import timedelta
 
-    from hyperfsdp_core._shm import ShmGroup
+    from hyperfsdp_shm._shm import ShmGroup
 
     world, rank = dist.get_world_size(), dist.get_rank()
     shm = ShmGroup.create(None, rank, world, timedelta(minutes=5))

@@ -32,7 +32,6 @@ from hyperfsdp_core import (
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
-    register_shm_backend,
 )
 
 
@@ -63,8 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--shm",
         action="store_true",
-        help="CPU: every process group on the hyperfsdp_shm backend (all-gathers and "
-        "reduce-scatters through shared memory, the tensor-parallel ones included)",
+        help="CPU: every process group on the hyperfsdp_shm backend of the hyperfsdp-shm "
+        "plugin (all-gathers and reduce-scatters through shared memory, the tensor-parallel "
+        "ones included)",
     )
     return p.parse_args(argv)
 
@@ -104,7 +104,11 @@ def build(args, device):
 def main(argv=None) -> int:
     args = parse_args(argv)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(register_shm_backend() if args.shm else backend)
+    if args.shm:  # the hyperfsdp-shm plugin (pip install hyperfsdp[shm])
+        from hyperfsdp_shm import register_shm_backend
+
+        backend = register_shm_backend()
+    dist.init_process_group(backend)
     world, rank = dist.get_world_size(), dist.get_rank()
     device = (
         torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))

@@ -3,7 +3,6 @@
 from ._api import fully_shard, register_fsdp_forward_method, share_comm_ctx
 from ._module import FSDPModule, UnshardHandle
 from ._plugins import get_plugin_manager, hookimpl
-from ._shm_backend import register_shm_backend
 from .policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
@@ -17,6 +16,5 @@ __all__ = [
     "get_plugin_manager",
     "hookimpl",
     "register_fsdp_forward_method",
-    "register_shm_backend",
     "share_comm_ctx",
 ]

@@ -4,10 +4,10 @@ The rest of the core calls :class:`Comm`: it issues one collective and returns a
 :class:`Handle` whose ``wait()`` makes the result usable by the caller's compute.
 Which way the bytes move is a :class:`Transport`'s choice (the communication seam): a
 unit's own (a plugin's ``hyperfsdp_transport``, FSDP2's ``set_custom_*`` comm objects),
-else the root's default (:class:`GlooTransport` on CPU, torch's own elsewhere).
-On CPU the ranks of one host all-gather and reduce-scatter through shared memory
-(``_shm.py``: done when issued), and otherwise the gloo worker threads communicate
-while the training thread computes; on accelerators collectives run on dedicated
+else the root's default: torch.distributed's own collectives (the ``hyperfsdp-shm``
+plugin supplies shared memory and gloo stand-ins on CPU through the same seam). On CPU
+the gloo worker threads communicate while the training thread computes (a transport may
+also complete a collective when issued); on accelerators collectives run on dedicated
 streams ordered by events (no ``record_stream``: buffers stay referenced by their
 handle until waited, and memory an all-gather writes into is allocated under its stream
 and released with a wait; see "Streams on accelerators" in docs/design.md).
@@ -16,188 +16,19 @@ and released with a wait; see "Streams on accelerators" in docs/design.md).
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable
-from functools import partial
 
 import attrs
 import torch
 import torch.distributed as dist
 
 from ._records import CollectiveEvent
-from ._shm_backend import BACKEND as SHM_BACKEND
-from ._shm_backend import ShmProcessGroup
-from ._torch_private import dispatch_mode_active
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_reduce = dist.all_reduce
 _broadcast = dist.broadcast
-
-#: On gloo (CPU) the core gathers and reduces without gloo's full-size buffers: gloo's
-#: ``all_gather_into_tensor`` (and its list form) gathers into a full-size buffer of its
-#: own and copies out of it, and its ``reduce_scatter_tensor`` is a full-size clone of the
-#: input, an all-reduce of the clone and a copy of this rank's chunk. Instead, all-gathers
-#: of 1 MiB and more go straight into the unsharded buffer, point-to-point
-#: (``_all_gather_p2p``, all members on dim 0) or as an integer all-reduce
-#: (``_all_gather_by_all_reduce``); sum-reduce-scatters are point-to-point over two ranks
-#: (``_reduce_scatter_pair``) and an all-reduce in place on the engine's own pack over more
-#: (``_reduce_scatter_in_place``). Every one gives gloo's own results bit for bit.
-#: ``HYPERFSDP_GLOO_NATIVE_COLLECTIVES=1`` (read when a root's communication state is
-#: created) uses gloo's own instead. Figures: docs/performance.md. ``None``: the
-#: environment decides; tests set ``True``/``False`` (as for the two settings below).
-GLOO_ALL_REDUCE: bool | None = None
-#: ... except all-gathers of less than this many bytes (the full, unsharded size): for those
-#: gloo's own all-gather wins on latency (one exchange where an all-reduce makes two: 0.35
-#: against 0.55 ms for 4 KiB at world 2) and its full-size buffer is too small to matter.
-#: ``HYPERFSDP_GLOO_ALL_GATHER_MIN_BYTES`` overrides it (read when a root's communication
-#: state is created); figures in docs/performance.md.
-GLOO_ALL_GATHER_MIN_BYTES: int | None = None
-#: Ranks of one host exchange all-gathers and sum-reduce-scatters through shared
-#: memory instead (``_shm.py``): one copy in and one out, no socket, no worker thread; at
-#: world 2 a 16 MiB all-gather takes 3.5 ms against 10 for gloo's own. Used on gloo groups
-#: whose members all map each other's segments (decided together at a group's first
-#: collective); ``HYPERFSDP_SHM=0`` (read when a root's communication state is created)
-#: keeps gloo and the stand-ins above. Figures: docs/performance.md.
-SHM: bool | None = None
-
-
-def gloo_settings() -> tuple[bool, int, bool]:
-    """``(GLOO_ALL_REDUCE, GLOO_ALL_GATHER_MIN_BYTES, SHM)`` as they are now: the module's
-    values where set, else the environment's (read each time a comm is made)."""
-    env = os.environ
-    gloo = GLOO_ALL_REDUCE
-    if gloo is None:
-        gloo = env.get("HYPERFSDP_GLOO_NATIVE_COLLECTIVES", "") != "1"
-    min_bytes = GLOO_ALL_GATHER_MIN_BYTES
-    if min_bytes is None:
-        min_bytes = int(env.get("HYPERFSDP_GLOO_ALL_GATHER_MIN_BYTES", 1 << 20))
-    shm = SHM if SHM is not None else env.get("HYPERFSDP_SHM", "") != "0"
-    return gloo, min_bytes, shm
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bytes as integers gloo can sum (it has no 16-bit integer type)."""
-    if (t.numel() * t.element_size()) % 4 == 0:
-        try:
-            return t.view(torch.int32)
-        except RuntimeError:  # storage offset not 4-byte aligned
-            pass
-    return t.view(torch.uint8)
-
-
-def _all_gather_by_all_reduce(buffer: torch.Tensor, group, async_op: bool):
-    """All-gather as an all-reduce: every rank has written its part of ``buffer`` and
-    zeroed the rest. The sum runs on the bit patterns as integers, so every value, -0.0
-    and NaN payloads included, arrives exactly as sent; the layout is the caller's (the
-    unsharded parameters' own), and gloo allocates nothing of the buffer's size."""
-    return dist.all_reduce(_bits(buffer), op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-
-
-#: Point-to-point forms (``_all_gather_p2p``, ``_reduce_scatter_pair``) where they apply:
-#: plain copies (and one addition), half the bytes of an all-reduce, no sum, no zero fill.
-#: At world 2, 16 MiB: 6 ms against 13 for the all-reduce and 10 for gloo's own all-gather.
-GLOO_P2P_ALL_GATHER = True
-
-
-class _Works:
-    """Several works (point-to-point sends and receives) waited for as one."""
-
-    __slots__ = ("_works",)
-
-    def __init__(self, works: list) -> None:
-        self._works = works
-
-    def wait(self, timeout=None) -> bool:
-        works, self._works = self._works, []
-        for work in works:
-            work.wait()
-        return True
-
-
-def _all_gather_p2p(rows: list[torch.Tensor], rank: int, group):
-    """All-gather by point-to-point: ``rows`` are ``(world, n)`` views of the unsharded
-    buffer whose row ``rank`` this rank has written; it sends that row to every peer and
-    receives each peer's row into place. Tags tell a bucket's members apart; every rank
-    posts in the same order, and gloo matches a (peer, tag) pair's messages in order."""
-    world = rows[0].shape[0]
-    works = []
-    for step in range(1, world):
-        src, dst = (rank - step) % world, (rank + step) % world
-        for tag, r in enumerate(rows):
-            works.append(dist.irecv(r[src], group=group, group_src=src, tag=tag))
-            works.append(dist.isend(r[rank], group=group, group_dst=dst, tag=tag))
-    return _Works(works)
-
-
-class _CopyAfterWait:
-    """A work handle that runs ``then`` once, after the wrapped work completes."""
-
-    __slots__ = ("_then", "_work")
-
-    def __init__(self, work, then: Callable[[], object]) -> None:
-        self._work = work
-        self._then = then
-
-    def wait(self, timeout=None) -> bool:
-        work, then = self._work, self._then
-        if work is not None:
-            self._work = self._then = None
-            work.wait()
-            then()
-        return True
-
-
-def _reduce_scatter_pair(output: torch.Tensor, input: torch.Tensor, op, group, rank: int):
-    """Sum-reduce-scatter over a group of two ranks by point-to-point: send the peer its
-    chunk, receive ours from it into ``output`` and add our own. One addition per element,
-    as gloo's all-reduce makes for two ranks (addition commutes bit for bit), with half
-    its bytes and no full-size buffer. ``op`` must be ``SUM``; ``rank`` is this rank's
-    in ``group``."""
-    peer = 1 - rank
-    chunks = input.view(2, -1)
-    works = [
-        dist.irecv(output, group=group, group_src=peer, tag=_PAIR_REDUCE_TAG),
-        dist.isend(chunks[peer], group=group, group_dst=peer, tag=_PAIR_REDUCE_TAG),
-    ]
-    return _CopyAfterWait(_Works(works), partial(output.add_, chunks[rank]))
-
-
-#: point-to-point tags of the pair reduce-scatter (the all-gathers use a bucket's member
-#: indices, 0 and up)
-_PAIR_REDUCE_TAG = 1 << 20
-
-
-def _all_gather_shm(out: torch.Tensor, inp: torch.Tensor, group, transport) -> None:
-    """All-gather through shared memory (``transport``: the group's ``ShmGroup``)."""
-    transport.all_gather(out, inp)
-
-
-def _all_gather_rows_shm(rows: list[torch.Tensor], group, transport) -> None:
-    """``_all_gather_p2p`` through shared memory: every peer's row of each view, into place."""
-    transport.all_gather_rows(rows)
-
-
-def _reduce_scatter_shm(output: torch.Tensor, input: torch.Tensor, op, group, transport):
-    """Sum-reduce-scatter through shared memory, in gloo's order of additions (``op``
-    must be ``SUM``; over more than two ranks only where ``transport.ring_order``)."""
-    transport.reduce_scatter(output, input)
-
-
-def _reduce_scatter_in_place(
-    output: torch.Tensor, input: torch.Tensor, op, group, async_op, rank: int, world: int
-):
-    """gloo's ``reduce_scatter_tensor`` without its clone: the same all-reduce, in place on
-    ``input`` (the caller gives it up), then this rank's chunk (``rank`` of ``world`` in
-    ``group``) copied to ``output``."""
-    work = dist.all_reduce(input, op=op, group=group, async_op=async_op)
-    chunk = input.view(world, -1)[rank]
-    if work is None:
-        output.copy_(chunk)
-        return None
-    return _CopyAfterWait(work, partial(output.copy_, chunk))
-
 
 class Transport:
     """How a unit's collectives move bytes: the communication seam (``plugin.Transport``).
@@ -329,66 +160,6 @@ def compose_transport(
     if all_gather is None and reduce_scatter is None:
         return transport
     return Transport(all_gather, reduce_scatter, fallback=transport)
-
-
-class GlooTransport(Transport):
-    """The core's default on CPU: shared memory between the ranks of one host, else the
-    gloo stand-ins (point-to-point all-gathers, in-place all-reduce reduce-scatters), else
-    gloo's own. Its settings live on its :class:`Comm` (read when the comm is made)."""
-
-    def __init__(self, comm: Comm) -> None:
-        super().__init__()
-        self.comm = comm
-
-    def __repr__(self) -> str:
-        return "GlooTransport()"
-
-    def gather_route(self, group, nbytes: int, rows: bool) -> str:
-        route = self.comm.gather_route(group, nbytes, rows)
-        return "in_place" if route == "all_reduce" else route
-
-    def gathers_in_line(self, group) -> bool:
-        # only a transport already made: making one is a collective, never run from a
-        # decision (before it exists the gather is issued as if asynchronous, and makes it)
-        return self.comm.shm_made(group) is not None
-
-    def all_gather(self, output, input, group, async_op):
-        shm = self.comm.shm(group)
-        if shm is not None:
-            return _all_gather_shm(output, input, group=group, transport=shm)
-        return _all_gather(output, input, group=group, async_op=async_op)
-
-    def all_gather_rows(self, rows, rank, group):
-        shm = self.comm.shm(group)
-        if shm is not None:
-            return _all_gather_rows_shm(rows, group=group, transport=shm)
-        return _all_gather_p2p(rows, rank, group=group)
-
-    def all_gather_in_place(self, buffer, group):
-        return _all_gather_by_all_reduce(buffer, group=group, async_op=True)
-
-    def reduce_scatter(self, output, input, group, op, async_op, *, scratch_input=False):
-        comm = self.comm
-        if (
-            op == dist.ReduceOp.SUM
-            and input.is_contiguous()
-            and (shm := comm.shm(group)) is not None
-            and shm.ring_order
-        ):
-            return _reduce_scatter_shm(output, input, op=op, group=group, transport=shm)
-        if (
-            scratch_input
-            and input.is_contiguous()
-            and comm.uses_all_reduce(group)
-            and not dispatch_mode_active()  # a mode sees torch.distributed's own (gather_route)
-        ):
-            rank, world = comm._place(group)
-            if comm.gloo_p2p and op == dist.ReduceOp.SUM and world == 2:
-                return _reduce_scatter_pair(output, input, op=op, group=group, rank=rank)
-            return _reduce_scatter_in_place(
-                output, input, op=op, group=group, async_op=True, rank=rank, world=world
-            )
-        return _reduce_scatter(output, input, op=op, group=group, async_op=async_op)
 
 
 @attrs.define
@@ -621,19 +392,9 @@ class Comm:
         )
         #: parked memory of resharded unsharded buffers (CPU)
         self.storage_pool = StoragePool() if self.is_cpu else None
-        gloo, min_bytes, shm = gloo_settings()
-        #: all-gathers and reduce-scatters as in-place all-reduces on gloo groups
-        self.gloo_all_reduce = self.is_cpu and gloo
-        self.all_gather_min_bytes = min_bytes
-        self.gloo_p2p = GLOO_P2P_ALL_GATHER  # dim-0 buckets: point-to-point all-gathers
-        self._is_gloo: dict = {}  # group -> whether its backend is gloo
-        self._places: dict = {}  # group -> (this rank in it, its size)
-        #: shared-memory transports of gloo groups on one host (``_shm.py``)
-        self.use_shm = self.gloo_all_reduce and shm
-        self._shm: dict = {}  # group -> ShmGroup, or None where gloo is kept
         #: what carries collectives that no unit transport (``hyperfsdp_transport``,
-        #: ``set_custom_*``) takes: the gloo routes above on CPU, torch's own elsewhere
-        self.transport: Transport = GlooTransport(self) if self.is_cpu else Transport()
+        #: ``set_custom_*``) takes: torch.distributed's own
+        self.transport: Transport = Transport()
         # (unit view, its parameter group), for the collectives plugins issue through
         # ``root.comm`` with ``unit=<fqn>``; by fqn once first asked (named by then)
         self._unit_pairs: list = []
@@ -727,84 +488,6 @@ class Comm:
         parked = self.storage_pool.nbytes if self.storage_pool is not None else 0
         return sum(p.nbytes for p in self.pools.values()) + parked
 
-    def uses_all_reduce(self, group) -> bool:
-        """Whether collectives over ``group`` are in-place all-reduces (gloo, see
-        ``GLOO_ALL_REDUCE``)."""
-        if not self.gloo_all_reduce:
-            return False
-        known = self._is_gloo.get(group)
-        if known is None:
-            # a ``hyperfsdp_shm`` group is gloo with shared-memory all-gathers and
-            # reduce-scatters (``_shm_backend.py``): the core uses its transport
-            known = self._is_gloo[group] = dist.get_backend(group) in ("gloo", SHM_BACKEND)
-        return known
-
-    def _place(self, group) -> tuple[int, int]:
-        """This rank's rank in ``group`` and the group's size (looked up once)."""
-        place = self._places.get(group)
-        if place is None:
-            place = self._places[group] = (dist.get_rank(group), dist.get_world_size(group))
-        return place
-
-    def shm(self, group):
-        """``group``'s shared-memory transport, or None (not gloo, one rank, ``SHM`` off,
-        some member cannot map the others' memory, or a dispatch mode is active: see
-        :meth:`gather_route`). Made at the group's first collective outside such a mode,
-        which every member reaches at the same point: making it is collective."""
-        if dispatch_mode_active():
-            return None
-        if group in self._shm:
-            return self._shm[group]
-        transport = None
-        if isinstance(group, ShmProcessGroup):  # the group's own, shared with its users
-            transport = group.transport if self.use_shm else None
-        elif self.use_shm and self.uses_all_reduce(group):
-            rank, world = self._place(group)
-            if world > 1:
-                from ._shm import ShmGroup
-                from ._torch_private import group_timeout
-
-                transport = ShmGroup.create(group, rank, world, group_timeout(group))
-        self._shm[group] = transport
-        return transport
-
-    def shm_made(self, group):
-        """``group``'s shared-memory transport if it has been made (None otherwise, and
-        while a dispatch mode is active): what :meth:`shm` returns, without making it."""
-        if dispatch_mode_active():
-            return None
-        if group in self._shm:
-            return self._shm[group]
-        if isinstance(group, ShmProcessGroup) and self.use_shm:
-            return group.made_transport
-        return None
-
-    def gather_route(self, group, nbytes: int, rows: bool) -> str:
-        """How an all-gather of ``nbytes`` (unsharded) over ``group`` runs. ``rows``: every
-        member is sharded on dim 0, so each rank's part is one row of each member's
-        ``(world, n)`` view of the unsharded buffer.
-
-        - ``"rows"``: straight into those rows (shared memory, or gloo point-to-point
-          from ``GLOO_ALL_GATHER_MIN_BYTES``);
-        - ``"all_reduce"``: an in-place all-reduce of the unsharded buffer (gloo, from
-          ``GLOO_ALL_GATHER_MIN_BYTES``, some member on another dim);
-        - ``"native"``: into a rank-major staging buffer and copied out (through shared
-          memory where the group has it, else the backend's own all-gather).
-
-        While a torch dispatch mode is active (``CommDebugMode`` counting collectives, a
-        tracer), every all-gather and reduce-scatter is ``torch.distributed``'s own, as
-        FSDP2 issues them, so that the mode sees each one as what it is: ``"native"``,
-        without shared memory or point-to-point stand-ins. Every rank must then be in such
-        a mode at the same collectives (as every rank runs the same collectives).
-        """
-        if not self.uses_all_reduce(group) or dispatch_mode_active():
-            return "native"
-        if self.shm(group) is not None:
-            return "rows" if rows else "native"
-        if nbytes < self.all_gather_min_bytes:
-            return "native"
-        return "rows" if rows and self.gloo_p2p else "all_reduce"
-
     # -- collectives ---------------------------------------------------------------------
     # ``transport`` is the unit's (``hyperfsdp_transport``, ``set_custom_*``), or None: the
     # root's default (:attr:`transport`). The transport picks the route; the module-level
@@ -892,9 +575,7 @@ class Comm:
             self._observe("all_gather", group, buffer, unit)
 
     def _route(self, transport: Transport | None) -> Transport:
-        """The transport a collective runs on: the unit's, else the root's default. While a
-        torch dispatch mode is active (``CommDebugMode``, a tracer) the core's default
-        routes are torch's own (see :meth:`gather_route`)."""
+        """The transport a collective runs on: the unit's, else the root's default."""
         return self.transport if transport is None else transport
 
     def gather_route_of(self, transport: Transport | None, group, nbytes: int, rows: bool) -> str:
@@ -918,7 +599,7 @@ class Comm:
         scratch_input: bool = False,
     ) -> Handle:
         """Reduce-scatter ``inp`` into ``out``. ``scratch_input``: the caller gives ``inp``
-        up (it may be overwritten), so on gloo the all-reduce runs in place on it."""
+        up (it may be overwritten): a transport may reduce in place on it."""
         self.stats.reduce_scatters += 1
         self.stats.reduce_scatter_bytes += inp.numel() * inp.element_size()
         if self.observers:

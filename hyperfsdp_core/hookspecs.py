@@ -200,12 +200,13 @@ def hyperfsdp_transport(unit: UnitView) -> Transport | None:
     ``set_custom_reduce_scatter`` take precedence for their collective over the unit's
     own group.
 
-    While a torch dispatch mode is active (``CommDebugMode``) the core's own default
-    routes are ``torch.distributed``'s; a plugin's transport is called as it is.
+    A transport is called as it is, also while a torch dispatch mode (``CommDebugMode``)
+    is active. A default transport (``hyperfsdp-shm``'s) implements this ``trylast`` and
+    keeps per-root state in ``unit.root.stash``.
 
     :param unit: the unit.
     :returns: a ``Transport``, or ``None`` (the core's default: ``torch.distributed``'s
-        collectives, through the core's faster CPU routes where it has them).
+        own collectives).
     """
 
 

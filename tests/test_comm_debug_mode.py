@@ -25,8 +25,8 @@ STEPS = 4
 COUNTED = (0, 2)
 VOCAB = 33
 
-#: how the core's gloo collectives run: module settings of ``_collectives`` (what the
-#: environment variables set when a root's communication state is made)
+#: how hyperfsdp's gloo collectives run: settings of the hyperfsdp-shm plugin (what the
+#: environment variables set when a root's transport is made)
 TRANSPORTS = {
     # shared memory between the ranks of this host (the default)
     "shm": {"SHM": True, "GLOO_ALL_REDUCE": True, "GLOO_ALL_GATHER_MIN_BYTES": 0},
@@ -35,6 +35,16 @@ TRANSPORTS = {
     # HYPERFSDP_GLOO_NATIVE_COLLECTIVES=1: gloo's own all-gathers and reduce-scatters
     "native": {"SHM": False, "GLOO_ALL_REDUCE": False},
 }
+
+
+def shared_memory_used(model) -> bool:
+    """Whether the hyperfsdp-shm transport of ``model``'s root made a shared-memory group."""
+    from hyperfsdp_shm.plugin import ROOT_TRANSPORT
+
+    from hyperfsdp_core.plugin import unit_of
+
+    transport = unit_of(model).root.stash.get(ROOT_TRANSPORT, None)
+    return transport is not None and any(g is not None for g in transport._shm.values())
 
 
 def shard(model: Transformer, fully_shard, mesh, raf) -> None:
@@ -64,10 +74,9 @@ def counted_training(impl: str, transport: str, layout: str):
     """Train ``STEPS`` steps, the ``COUNTED`` ones under ``CommDebugMode``, all under the
     core's own counter; check the losses against the unsharded reference and return
     CommDebugMode's counts by op name and the core counter's for the same steps."""
+    from hyperfsdp_shm import _settings as coll
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
-
-    from hyperfsdp_core import _collectives as coll
 
     if impl == "hyperfsdp":
         from hyperfsdp_core import fully_shard
@@ -103,7 +112,7 @@ def counted_training(impl: str, transport: str, layout: str):
                 for kind, *_ in counter.calls[seen:]:
                     own[kind] = own.get(kind, 0) + 1
         if impl == "hyperfsdp" and transport == "shm":  # used outside the mode
-            assert any(t is not None for t in model._hyperfsdp_state.ctx.comm._shm.values())
+            assert shared_memory_used(model)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
         for step, loss in enumerate(losses):  # the unsharded reference, on the global batch
             x, y = token_batch(step, 8, 5, VOCAB)

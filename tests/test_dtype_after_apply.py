@@ -52,9 +52,12 @@ _CONVERT = {
     "float": lambda m: m.float(),
 }
 
-# hyperfsdp's reduce-scatter call sites (whichever the transport picks): input is args[1]
-_RS_SITES = ("_reduce_scatter", "_reduce_scatter_in_place", "_reduce_scatter_pair")
-_RS_SITES += ("_reduce_scatter_shm",)
+# hyperfsdp's reduce-scatters are issued here (whichever transport carries them); FSDP2's
+# at torch.distributed; (owner, name, index of the input among the arguments)
+_RS_SITES = {
+    "hyperfsdp": (_coll.Comm, "reduce_scatter", 2),
+    "fsdp2": (dist, "reduce_scatter_single", 1),
+}
 
 
 class ReduceDtypes:
@@ -66,22 +69,19 @@ class ReduceDtypes:
         self._orig: dict[str, object] = {}
 
     def __enter__(self):
-        owner = _coll if self.impl == "hyperfsdp" else dist
-        sites = _RS_SITES if self.impl == "hyperfsdp" else ("reduce_scatter_single",)
-        for name in sites:
-            fn = getattr(owner, name)
-            self._orig[name] = fn
-            setattr(owner, name, self._wrap(fn))
+        owner, name, at = _RS_SITES["hyperfsdp" if self.impl == "hyperfsdp" else "fsdp2"]
+        fn = getattr(owner, name)
+        self._orig = {name: (owner, fn)}
+        setattr(owner, name, self._wrap(fn, at))
         return self
 
     def __exit__(self, *exc) -> None:
-        owner = _coll if self.impl == "hyperfsdp" else dist
-        for name, fn in self._orig.items():
+        for name, (owner, fn) in self._orig.items():
             setattr(owner, name, fn)
 
-    def _wrap(self, fn):
+    def _wrap(self, fn, at: int):
         def call(*args, **kwargs):
-            inp = kwargs["input"] if "input" in kwargs else args[1]
+            inp = args[at] if len(args) > at else kwargs.get("input", kwargs.get("inp"))
             self.dtypes.add(inp.dtype)
             return fn(*args, **kwargs)
 

@@ -64,10 +64,17 @@ def _train(engine: str, config: dict) -> tuple[list[torch.Tensor], list[torch.Te
         opt.zero_grad()
         losses.append(loss.detach().clone())
     params = [p.detach().to_local().clone() for p in model.parameters()]
-    shm = engine != "fsdp2" and any(
-        t is not None for t in model._hyperfsdp_state.ctx.comm._shm.values()
-    )
-    return losses, params, shm
+    return losses, params, engine != "fsdp2" and _shared_memory_used(model)
+
+
+def _shared_memory_used(model) -> bool:
+    """Whether the hyperfsdp-shm transport of ``model``'s root made a shared-memory group."""
+    from hyperfsdp_shm.plugin import ROOT_TRANSPORT
+
+    from hyperfsdp_core.plugin import unit_of
+
+    transport = unit_of(model).root.stash.get(ROOT_TRANSPORT, None)
+    return transport is not None and any(g is not None for g in transport._shm.values())
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

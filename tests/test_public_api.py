@@ -44,6 +44,7 @@ PLUGIN_SOURCES = {
 EXPECTED_PLUGINS = {
     "plugins/hsdp",
     "plugins/qcomm",
+    "plugins/shm",
     "examples/commlog",
     "hyperfsdp_core/_builtin",
 }

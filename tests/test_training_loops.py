@@ -498,30 +498,25 @@ def hsdp_order():
     fully_shard(model, mesh=mesh)
     opts = optimizers(model, ref)
     log = []
-    # on gloo the core's reduce-scatter over two ranks (the shard groups here) runs through
-    # shared memory (_reduce_scatter_shm, done when issued) or point to point
-    # (_reduce_scatter_pair); over more, it is an in-place all-reduce (_reduce_scatter_in_place)
-    orig_rs, orig_rs_ar = coll._reduce_scatter, coll._reduce_scatter_in_place
-    orig_rs_pair, orig_rs_shm = coll._reduce_scatter_pair, coll._reduce_scatter_shm
-    orig_ar = coll._all_reduce
+    # logged where the core issues them, whichever transport carries them (through shared
+    # memory a reduce-scatter is done when issued: its handle holds no work)
+    orig_rs, orig_ar = coll.Comm.reduce_scatter, coll.Comm.all_reduce
 
-    def logged_reduce_scatter(orig):
-        def reduce_scatter(out, inp, **kw):
-            entry = ("rs", out.data_ptr())
-            log.append(("issue", entry))
-            return _Logged(orig(out, inp, **kw), log, entry)
+    def reduce_scatter(comm, out, inp, *args, **kw):
+        entry = ("rs", out.data_ptr())
+        log.append(("issue", entry))
+        handle = orig_rs(comm, out, inp, *args, **kw)
+        if handle.done:
+            log.append(("wait", entry))
+        else:
+            handle._work = _Logged(handle._work, log, entry)
+        return handle
 
-        return reduce_scatter
-
-    def all_reduce(tensor, **kw):
+    def all_reduce(comm, tensor, *args, **kw):
         log.append(("issue", ("ar", tensor.data_ptr())))
-        return orig_ar(tensor, **kw)
+        return orig_ar(comm, tensor, *args, **kw)
 
-    coll._reduce_scatter = logged_reduce_scatter(orig_rs)
-    coll._reduce_scatter_in_place = logged_reduce_scatter(orig_rs_ar)
-    coll._reduce_scatter_pair = logged_reduce_scatter(orig_rs_pair)
-    coll._reduce_scatter_shm = logged_reduce_scatter(orig_rs_shm)
-    coll._all_reduce = all_reduce
+    coll.Comm.reduce_scatter, coll.Comm.all_reduce = reduce_scatter, all_reduce
     try:
         for i in range(2):
             log.clear()
@@ -530,9 +525,7 @@ def hsdp_order():
             lm_loss(ref(x), y).backward()
             step(opts)
     finally:
-        coll._reduce_scatter, coll._reduce_scatter_in_place = orig_rs, orig_rs_ar
-        coll._reduce_scatter_pair, coll._reduce_scatter_shm = orig_rs_pair, orig_rs_shm
-        coll._all_reduce = orig_ar
+        coll.Comm.reduce_scatter, coll.Comm.all_reduce = orig_rs, orig_ar
     assert_close_params(model, ref, atol=ATOL, rtol=RTOL)
     return log
 

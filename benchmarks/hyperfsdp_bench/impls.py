@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 from collections.abc import Callable
 
 import attrs
@@ -21,10 +22,11 @@ from .names import IMPLS, OFFLOAD_VARIANTS, VARIANTS
 #: - ``<impl>-foreach``: ``torch.optim.AdamW(..., foreach=True)`` instead of the default
 #:   (on CPU: the per-tensor loop), to measure what the multi-tensor optimizer buys;
 #: - ``hyperfsdp-native``: hyperfsdp with gloo's own all-gather and reduce-scatter
-#:   (``HYPERFSDP_GLOO_NATIVE_COLLECTIVES=1``) instead of its shared-memory collectives and
+#:   (``HYPERFSDP_GLOO_NATIVE_COLLECTIVES=1``: the hyperfsdp-shm plugin supplies no
+#:   transport, as when it is not installed) instead of its shared-memory collectives and
 #:   gloo stand-ins;
 #: - ``hyperfsdp-gloo``: hyperfsdp without the shared-memory collectives
-#:   (``HYPERFSDP_SHM=0``): gloo point-to-point and in-place all-reduces.
+#:   (``HYPERFSDP_SHM=0``): the plugin's gloo point-to-point and in-place all-reduces.
 #:
 #: The ``offload`` configuration adds its own: ``hyperfsdp-no-offload`` and
 #: ``fsdp2-no-offload`` (the same without offload) and ``fsdp2-unpinned`` (FSDP2's
@@ -151,7 +153,7 @@ def _tensor_parallel(model: nn.Module, spec: CaseSpec):
     shape = (dist.get_world_size() // spec.tp, spec.tp)
     override = None
     if spec.tp_backend is not None:
-        from hyperfsdp_core import register_shm_backend
+        from hyperfsdp_shm import register_shm_backend
 
         override = {"tp": spec.tp_backend}
         register_shm_backend()
@@ -192,12 +194,13 @@ def build(impl: str, spec: CaseSpec) -> Built:
     n_units = 0
     offload = spec.offload and variant != "no-offload"
     if base == "hyperfsdp":
-        from hyperfsdp_core import CPUOffloadPolicy, MixedPrecisionPolicy, _collectives, fully_shard
+        from hyperfsdp_core import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-        if variant == "native":  # read when the root's communication state is created
-            _collectives.GLOO_ALL_REDUCE = False
+        # hyperfsdp-shm's switches, read at the root's lazy init (this process runs one impl)
+        if variant == "native":
+            os.environ["HYPERFSDP_GLOO_NATIVE_COLLECTIVES"] = "1"
         elif variant == "gloo":
-            _collectives.SHM = False
+            os.environ["HYPERFSDP_SHM"] = "0"
 
         policy = CPUOffloadPolicy() if offload else None
         n_units = _shard(model, fully_shard, MixedPrecisionPolicy, spec, policy)

@@ -99,13 +99,14 @@ class CollectiveCounter:
         # unsharded bytes, made of sends and receives the wrappers above do not see; its
         # pair reduce-scatter (one reduce-scatter of the full input); and the same through
         # shared memory, which calls no torch.distributed function at all
-        coll = sys.modules.get("hyperfsdp_core._collectives")
+        # (all in the hyperfsdp-shm plugin's transport, where it is installed)
+        coll = sys.modules.get("hyperfsdp_shm._transport")
         for attr, name, kind, index in (
-            ("_all_gather_p2p", "all_gather_p2p", "list", 0),
-            ("_reduce_scatter_pair", "reduce_scatter_pair", "tensor", 1),
-            ("_all_gather_rows_shm", "all_gather_rows_shm", "list", 0),
-            ("_all_gather_shm", "all_gather_shm", "tensor", 0),
-            ("_reduce_scatter_shm", "reduce_scatter_shm", "tensor", 1),
+            ("all_gather_p2p", "all_gather_p2p", "list", 0),
+            ("reduce_scatter_pair", "reduce_scatter_pair", "tensor", 1),
+            ("all_gather_rows_shm", "all_gather_rows_shm", "list", 0),
+            ("all_gather_shm", "all_gather_shm", "tensor", 0),
+            ("reduce_scatter_shm", "reduce_scatter_shm", "tensor", 1),
         ):
             fn = getattr(coll, attr, None)
             if fn is not None and not getattr(fn, "_hyperfsdp_bench_wrapped", False):

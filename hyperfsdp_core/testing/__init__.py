@@ -14,9 +14,17 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from .pool import RankFailure, RankTimeout, close_pools, current_rank, run_on_ranks
+from .pool import (
+    DEFAULT_TIMEOUT,
+    RankFailure,
+    RankTimeout,
+    close_pools,
+    current_rank,
+    run_on_ranks,
+)
 
 __all__ = [
+    "DEFAULT_TIMEOUT",
     "RankFailure",
     "RankTimeout",
     "close_pools",
@@ -43,15 +51,20 @@ def registered(plugin: object, name: str) -> Iterator[object]:
 
 @contextlib.contextmanager
 def shared_memory(enabled: bool) -> Iterator[None]:
-    """Whether roots whose communication state is made inside the ``with`` block move
-    their gloo collectives through shared memory (the default where the ranks share a
-    host) or through gloo itself (as ``HYPERFSDP_SHM=0`` does for a whole run). With
-    shared memory a collective runs in line when it is issued, so the core does not
-    prefetch the next unit's all-gather; test both where that matters."""
-    from .. import _collectives
+    """Whether roots lazily initialized inside the ``with`` block move their gloo
+    collectives through shared memory (the default where the ranks share a host and the
+    ``hyperfsdp-shm`` plugin is installed) or through its gloo stand-ins (as
+    ``HYPERFSDP_SHM=0`` does for a whole run: the plugin reads it at each root's lazy
+    init). With shared memory a collective runs in line when it is issued, so the core
+    does not prefetch the next unit's all-gather; test both where that matters."""
+    import os
 
-    saved, _collectives.SHM = _collectives.SHM, enabled
+    saved = os.environ.get("HYPERFSDP_SHM")
+    os.environ["HYPERFSDP_SHM"] = "1" if enabled else "0"
     try:
         yield
     finally:
-        _collectives.SHM = saved
+        if saved is None:
+            os.environ.pop("HYPERFSDP_SHM", None)
+        else:
+            os.environ["HYPERFSDP_SHM"] = saved

@@ -1,4 +1,4 @@
-"""Count the collectives hyperfsdp issues, at the point where it calls torch.distributed."""
+"""Count the collectives hyperfsdp issues, where the core issues them (``Comm``)."""
 
 from __future__ import annotations
 
@@ -6,30 +6,45 @@ import torch.distributed as dist
 
 from .. import _collectives as _coll
 
-#: the core's call sites; on gloo its all-gathers and reduce-scatters run through shared
-#: memory, point to point or as in-place all-reduces (``_collectives.SHM``,
-#: ``GLOO_ALL_REDUCE``), counted as the all-gathers and reduce-scatters they are
+#: the core's issue points and the kind each counts as: whichever transport then carries
+#: the collective (torch.distributed's own, a plugin's such as ``hyperfsdp-shm``'s shared
+#: memory or gloo stand-ins, FSDP2-style custom comms), it counts once, as what it is
 KINDS = {
-    "_all_gather": "ag",
-    "_all_gather_by_all_reduce": "ag",
-    "_all_gather_p2p": "ag",
-    "_all_gather_shm": "ag",
-    "_all_gather_rows_shm": "ag",
-    "_reduce_scatter": "rs",
-    "_reduce_scatter_in_place": "rs",
-    "_reduce_scatter_pair": "rs",
-    "_reduce_scatter_shm": "rs",
-    "_all_reduce": "ar",
+    "all_gather": "ag",
+    "all_gather_rows": "ag",
+    "all_gather_in_place": "ag",
+    "reduce_scatter": "rs",
+    "all_reduce": "ar",
 }
 
 
-class CollectiveCounter:
-    """Context manager recording ``(kind, group size, reduce op or None)`` per collective.
+#: where a ``Comm`` method takes its group, (reductions) its op and its transport,
+#: positionally, and the transport's comm object that, set, carries the collective instead
+#: (FSDP2-style ``set_custom_*`` comms and a transport's own parts bypass the count)
+_PLACES = {
+    "all_gather": (2, None, 3, "all_gather_comm"),
+    "all_gather_rows": (3, None, 4, "all_gather_comm"),
+    "all_gather_in_place": (1, None, 2, "all_gather_comm"),
+    "reduce_scatter": (2, 3, 4, "reduce_scatter_comm"),
+    "all_reduce": (1, 2, 3, "all_reduce_fn"),
+}
 
-    ``kind`` is ``"ag"``, ``"rs"`` or ``"ar"``. Custom comms set with
-    ``set_custom_all_gather``/``set_custom_reduce_scatter`` and transports that plugins
-    supply (``hyperfsdp_transport``) bypass these call sites; a collective observer
-    (``hyperfsdp_collective_observer``) sees those too.
+
+def _arg(args: tuple, kwargs: dict, name: str, at: int | None):
+    if at is None:
+        return None
+    return kwargs[name] if name in kwargs else args[at]
+
+
+class CollectiveCounter:
+    """Context manager recording ``(kind, group size, reduce op or None)`` per collective
+    the core issues (its buckets' and what plugins issue through ``root.comm``).
+
+    ``kind`` is ``"ag"``, ``"rs"`` or ``"ar"``. Collectives carried by custom comm objects
+    (``set_custom_all_gather``/``set_custom_reduce_scatter``, the comm objects of a
+    plugin's ``Transport``) are not counted, nor those that bypass the core (DTensor's
+    own, a plugin calling ``torch.distributed`` directly); a collective observer
+    (``hyperfsdp_collective_observer``) sees every collective the core issues.
     """
 
     def __init__(self) -> None:
@@ -37,27 +52,33 @@ class CollectiveCounter:
         self._orig: dict[str, object] = {}
 
     def __enter__(self) -> CollectiveCounter:
-        for attr, kind in KINDS.items():
-            fn = getattr(_coll, attr)
-            self._orig[attr] = fn
-            setattr(_coll, attr, self._wrap(kind, fn))
+        for method, kind in KINDS.items():
+            fn = getattr(_coll.Comm, method)
+            self._orig[method] = fn
+            setattr(_coll.Comm, method, self._wrap(method, kind, fn))
         return self
 
     def __exit__(self, *exc) -> None:
-        for attr, fn in self._orig.items():
-            setattr(_coll, attr, fn)
+        for method, fn in self._orig.items():
+            setattr(_coll.Comm, method, fn)
 
-    def _wrap(self, kind: str, fn):
-        def call(*args, **kwargs):
-            op = kwargs.get("op")
+    def _wrap(self, method: str, kind: str, fn):
+        group_at, op_at, transport_at, custom = _PLACES[method]
+
+        def call(comm, *args, **kwargs):
+            transport = args[transport_at] if len(args) > transport_at else None
+            transport = kwargs.get("transport", transport)
+            if transport is not None and getattr(transport, custom, None) is not None:
+                return fn(comm, *args, **kwargs)
+            op = _arg(args, kwargs, "op", op_at)
             self.calls.append(
                 (
                     kind,
-                    dist.get_world_size(kwargs.get("group")),
+                    dist.get_world_size(_arg(args, kwargs, "group", group_at)),
                     str(op) if op is not None else None,
                 )
             )
-            return fn(*args, **kwargs)
+            return fn(comm, *args, **kwargs)
 
         return call
 

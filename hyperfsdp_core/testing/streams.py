@@ -24,6 +24,7 @@ it and assert there are none; a test that removes a wait asserts there are some.
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
 from collections.abc import Iterator
 
@@ -313,7 +314,6 @@ def simulated_accelerator() -> Iterator[Simulator]:
         comm_init(comm, device)
         comm.is_cpu = False
         comm.pools = comm.storage_pool = None
-        comm.gloo_all_reduce = comm.use_shm = False
         comm._module = sim
         comm.all_gather_stream = sim.Stream()
         comm.all_gather_stream.name = "all_gather"
@@ -332,9 +332,25 @@ def simulated_accelerator() -> Iterator[Simulator]:
 
     _collectives.Comm.__init__ = init
     torch.UntypedStorage.resize_ = tracked_resize
+    # torch.distributed's own collectives, as on an accelerator: no CPU transport plugin
+    # (hyperfsdp-shm reads this at each root's lazy init)
+    saved_env = os.environ.get(_NATIVE_ENV)
+    os.environ[_NATIVE_ENV] = "1"
     try:
         with sim:
             yield sim
     finally:
         _collectives.Comm.__init__ = comm_init
         torch.UntypedStorage.resize_ = resize
+        _restore_env(_NATIVE_ENV, saved_env)
+
+
+#: hyperfsdp-shm supplies no transport while this is "1" (torch.distributed's own)
+_NATIVE_ENV = "HYPERFSDP_GLOO_NATIVE_COLLECTIVES"
+
+
+def _restore_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value

@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from hyperfsdp_shm import register_shm_backend  # hyperfsdp-shm, installed by `make install`
 from hyperfsdp_tp.testing import Transformer, full, parallelize, train_parity
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -18,7 +19,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-from hyperfsdp_core import DataParallelMeshDims, fully_shard, register_shm_backend
+from hyperfsdp_core import DataParallelMeshDims, fully_shard
 from hyperfsdp_core.testing.counting import CollectiveCounter
 
 TIMEOUT = 180

@@ -60,10 +60,20 @@ SHM_DIR = "/dev/shm"
 _PUB = 0
 _TAG = 8  # _TAG + slot
 _TOKEN = 16
+_POISON = 17  # nonzero once this member's transport failed (its peers then fail at once)
 _ACK = 64  # _ACK + member
 
 #: seconds of waiting between checks that the peers' processes are still alive
 _LIVENESS_EVERY = 1.0
+#: how a rank waits for a peer: it polls the peer's counter for up to ``_SPIN_S`` seconds
+#: (on a quiet machine the peer is a few microseconds behind), then sleeps between polls,
+#: ``_FIRST_PAUSE_S`` doubling up to ``_MAX_PAUSE_S``, giving its core to the peer or to
+#: whatever else runs on the host. It never ``sched_yield``s: under load that hands the
+#: core to a busy process for a whole time slice per call (milliseconds), which made
+#: shared memory 10x slower than gloo on a loaded host (docs/performance.md).
+_SPIN_S = 50e-6
+_FIRST_PAUSE_S = 20e-6
+_MAX_PAUSE_S = 1e-3
 #: chunk plans kept per group (one per bucket that gathers row by row)
 _MAX_PLANS = 1024
 
@@ -289,25 +299,39 @@ class ShmGroup:
 
     # -- the protocol ----------------------------------------------------------------------
     def _fail(self, message: str) -> None:
-        self.failed = message
+        self._poison(message)
         raise ShmCollectiveError(message)
 
+    def _poison(self, message: str) -> None:
+        """This group's transport is out of step from now on: say why (every later call
+        raises it) and tell the peers, whose waits for this rank then fail at once
+        instead of timing out."""
+        if self.failed is None:
+            self.failed = message
+        self._headers[self.rank][_POISON] = 1
+
     def _await(self, member: int, word: int, target: int) -> None:
-        """Wait until ``member``'s header word ``word`` reaches ``target``."""
+        """Wait until ``member``'s header word ``word`` reaches ``target``: poll briefly,
+        then sleep between polls (see :data:`_SPIN_S`)."""
         header = self._headers[member]
         if header[word] >= target:
             return
-        for _ in range(64):
-            os.sched_yield()
+        clock = time.perf_counter
+        start = clock()
+        while clock() - start < _SPIN_S:
             if header[word] >= target:
                 return
-        start = time.monotonic()
         check = start + _LIVENESS_EVERY
-        pause = 2e-5
+        pause = _FIRST_PAUSE_S
         while header[word] < target:
+            if header[_POISON]:
+                self._fail(
+                    f"group rank {member} failed during shared-memory collective #{self.ops} "
+                    "(its own error is in its log)"
+                )
             time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
-            now = time.monotonic()
+            pause = min(pause * 2, _MAX_PAUSE_S)
+            now = clock()
             if now >= check:
                 check = now + _LIVENESS_EVERY
                 if now - start > self.timeout:
@@ -331,6 +355,17 @@ class ShmGroup:
                 f"this group's shared-memory transport failed earlier ({self.failed}); "
                 "re-create the process group, or set HYPERFSDP_SHM=0 to use gloo"
             )
+        try:
+            self._steps(kind, nbytes, n_chunks, put, take)
+        except ShmCollectiveError:
+            raise
+        except BaseException as exc:  # a copy failed, KeyboardInterrupt, ...: out of step
+            self._poison(
+                f"{type(exc).__name__} inside shared-memory collective #{self.ops - 1}: {exc}"
+            )
+            raise
+
+    def _steps(self, kind: int, nbytes: int, n_chunks: int, put, take) -> None:
         tag = hash((self.ops, kind, nbytes)) & ((1 << 62) - 1)
         self.ops += 1
         me, peers = self.rank, self.peers

@@ -5,8 +5,7 @@ else on gloo."""
 
 import pytest
 import torch
-
-from hyperfsdp_core import _shm, register_shm_backend
+from hyperfsdp_shm import _shm, register_shm_backend
 
 pytestmark = pytest.mark.skipif(not _shm.supported(), reason="needs Linux, x86-64 and /dev/shm")
 
@@ -176,8 +175,12 @@ def fsdp_over_shm_mesh():
         mse_loss,
         steps=3,
     )
-    comm = state["root"]._hyperfsdp_state.ctx.comm
-    return out["losses"], comm.shm(group) is group.transport, group.transport.ops - before
+    from hyperfsdp_shm.plugin import ROOT_TRANSPORT
+
+    from hyperfsdp_core.plugin import unit_of
+
+    transport = unit_of(state["root"]).root.stash[ROOT_TRANSPORT]
+    return out["losses"], transport.shm(group) is group.transport, group.transport.ops - before
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -9,8 +9,7 @@ from datetime import timedelta
 
 import pytest
 import torch
-
-from hyperfsdp_core import _shm
+from hyperfsdp_shm import _shm
 
 pytestmark = pytest.mark.skipif(not _shm.supported(), reason="needs Linux, x86-64 and /dev/shm")
 
@@ -229,30 +228,39 @@ def test_setup_that_fails_leaves_no_segment_file(run_ranks):
     assert made == 1 and left == []
 
 
+def root_transport(model):
+    """The shared-memory plugin's transport of ``model``'s root (public API only)."""
+    from hyperfsdp_shm.plugin import ROOT_TRANSPORT
+
+    from hyperfsdp_core.plugin import unit_of
+
+    return unit_of(model).root.stash[ROOT_TRANSPORT]
+
+
 def deciding_makes_no_transport():
     """Asking whether a unit's gathers run in line (the prefetch decision) never makes the
-    shared-memory transport: making it is a collective, run only by a collective."""
+    shared-memory group: making it is a collective, run only by a collective."""
+    from hyperfsdp_shm._transport import ShmTransport
     from torch import nn
 
-    from hyperfsdp_core import _collectives, fully_shard
+    from hyperfsdp_core import fully_shard
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
     fully_shard(model[0])
     fully_shard(model)
-    bucket = model[0]._hyperfsdp_state.group.buckets[0]
-    fresh = _collectives.Comm(torch.device("cpu"))  # no collective has run on it yet
-    asked = bucket.gathers_in_line(fresh)
+    fresh = ShmTransport()  # no collective has run on it yet
+    asked = fresh.gathers_in_line(None)
     made_by_asking = len(fresh._shm)
     model(torch.randn(2, 8)).sum().backward()  # the gathers make the root's
-    comm = model._hyperfsdp_state.ctx.comm
-    return asked, made_by_asking, bucket.gathers_in_line(comm)
+    made = root_transport(model)
+    return asked, made_by_asking, [made.gathers_in_line(group) for group in made._shm]
 
 
 def test_deciding_to_prefetch_makes_no_transport(run_ranks):
     for asked, made, in_line in run_ranks(2, deciding_makes_no_transport, timeout=120):
         assert (asked, made) == (False, 0)
-        assert in_line  # once a gather made the group's transport
+        assert in_line == [True]  # once a gather made the group's transport
 
 
 def setup_leaves_no_files(refuse_on_rank: int | None, how: str = "unsupported"):
@@ -298,25 +306,25 @@ def test_members_agree_and_no_segment_file_outlives_setup(run_ranks, refuse_on_r
 
 
 def reads_group_timeout():
-    from hyperfsdp_core._torch_private import group_timeout
+    from hyperfsdp_shm._torch_private import group_timeout
 
     return group_timeout(None).total_seconds()
 
 
 def test_transport_waits_as_long_as_the_process_group(run_ranks):
-    from hyperfsdp_core.testing.pool import DEFAULT_TIMEOUT
+    from hyperfsdp_core.testing import DEFAULT_TIMEOUT
 
     assert run_ranks(2, reads_group_timeout) == [DEFAULT_TIMEOUT] * 2
 
 
 def reduce_scatter_path(ring_order_holds: bool):
+    from hyperfsdp_shm import _transport as coll
     from torch import nn
 
-    from hyperfsdp_core import _collectives as coll
     from hyperfsdp_core import fully_shard
 
     called = []
-    names = ("_reduce_scatter_shm", "_reduce_scatter_in_place")
+    names = ("reduce_scatter_shm", "reduce_scatter_in_place")
     saved = [getattr(coll, n) for n in names] + [_shm.ShmGroup.check_ring_order]
 
     def spy(name, fn):
@@ -336,7 +344,7 @@ def reduce_scatter_path(ring_order_holds: bool):
         fully_shard(model[0])
         fully_shard(model)
         model(torch.randn(2, 8)).sum().backward()
-        transport = model._hyperfsdp_state.ctx.comm.shm(None)
+        (transport,) = root_transport(model)._shm.values()
         return sorted(set(called)), transport.ring_order
     finally:
         for n, fn in zip(names, saved):
@@ -350,5 +358,5 @@ def test_reduce_scatter_over_four_ranks_needs_gloos_order(run_ranks, ring_order_
     # additions was checked equal to gloo's on the group; otherwise gloo's all-reduce stays
     for called, checked in run_ranks(4, reduce_scatter_path, ring_order_holds):
         assert checked is ring_order_holds
-        expect = "_reduce_scatter_shm" if ring_order_holds else "_reduce_scatter_in_place"
+        expect = "reduce_scatter_shm" if ring_order_holds else "reduce_scatter_in_place"
         assert called == [expect]

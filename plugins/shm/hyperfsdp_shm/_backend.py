@@ -2,7 +2,8 @@
 sum-reduce-scatters go through shared memory (``_shm.py``) and everything else through
 gloo.
 
-The core already gathers and reduce-scatters its own buckets this way on gloo groups.
+The plugin's transport already gathers and reduce-scatters hyperfsdp's buckets this way
+on gloo groups.
 Collectives the core does not issue (tensor parallelism's sequence-parallel all-gathers
 and reduce-scatters, which DTensor runs through the functional collectives, or a user's
 own ``dist.all_gather_into_tensor``) run on the group's backend; naming this one for a
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import _shm
+from ._settings import settings
 from ._torch_private import PythonProcessGroup
 
 #: the backend's name, for ``init_process_group``, ``new_group`` and ``init_device_mesh``
@@ -78,12 +80,10 @@ class ShmProcessGroup(PythonProcessGroup):
     def transport(self) -> _shm.ShmGroup | None:
         """The shared-memory transport, made at first use (collective), or None."""
         if self._transport is _UNSET:
-            from ._collectives import gloo_settings
-
             # None while it is made: the collectives that make it (and check its order of
             # additions against gloo's) run on gloo
             self._transport = None
-            if gloo_settings()[2] and self.size() > 1:
+            if settings()[2] and self.size() > 1:
                 self._transport = _shm.ShmGroup.create(self, self.rank(), self.size(), self.timeout)
         return self._transport  # type: ignore[return-value]
 
@@ -116,14 +116,16 @@ class ShmProcessGroup(PythonProcessGroup):
         through the transport where it takes every pair, else through gloo."""
         pairs = list(zip(outs, inps, strict=True))
         if not all(self._takes(o, i, opts, gather) for o, i in pairs):
+            # gloo's own (the base class runs these on the backend)
             if gather:
-                run, opts = self.backend._allgather_base, opts or dist.AllgatherOptions()
+                base, opts = PythonProcessGroup.all_gather_single, opts or dist.AllgatherOptions()
             else:
-                run, opts = self.backend._reduce_scatter_base, opts or dist.ReduceScatterOptions()
+                base = PythonProcessGroup.reduce_scatter_single
+                opts = opts or dist.ReduceScatterOptions()
             if len(pairs) == 1:
-                return run(outs[0], inps[0], opts)
+                return base(self, outs[0], inps[0], opts)
             for o, i in pairs:
-                run(o, i, opts).wait()
+                base(self, o, i, opts).wait()
             return _Done(list(outs))
         transport = self._transport
         move = transport.all_gather if gather else transport.reduce_scatter  # type: ignore[union-attr]
