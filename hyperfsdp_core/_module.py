@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._torch_private import torch_fsdp_module_class
+
 if TYPE_CHECKING:
     from ._state import FSDPState
 
@@ -292,6 +294,12 @@ def _check_fsdp_modules(modules: Sequence[Any]) -> None:
 # ---------------------------------------------------------------------------------------------
 
 _CLASS_CACHE: dict[tuple[type, tuple[type, ...]], type] = {}
+
+# torch's FSDP2 FSDPModule, last in the bases (after nn.Module, so it supplies no behaviour
+# that hyperfsdp, a mixin or the original class defines): torch.distributed.pipelining and
+# torchtitan recognise FSDP stages by isinstance (see _pipelining.py)
+_TORCH_FSDP_MODULE = torch_fsdp_module_class()
+_RECOGNISED_AS: tuple[type, ...] = (_TORCH_FSDP_MODULE,) if _TORCH_FSDP_MODULE else ()
 _METACLASSES: dict[type, type] = {}
 
 
@@ -308,7 +316,7 @@ def fsdp_class(orig: type, mixins: tuple[type, ...] = ()) -> type:
     cls = _CLASS_CACHE.get(key)
     if cls is None:
         name = "FSDP" + orig.__name__ + "".join("_" + m.__name__ for m in mixins)
-        bases = (FSDPModule, *mixins, orig)
+        bases = (FSDPModule, *mixins, orig, *_RECOGNISED_AS)
         meta = _unioned_metaclass(bases)
         cls = meta(name, bases, {"_hyperfsdp_orig_cls": orig, "_hyperfsdp_mixins": tuple(mixins)})
         cls.__module__ = orig.__module__

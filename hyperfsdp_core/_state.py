@@ -19,9 +19,11 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from ._collectives import Comm
 from ._context import RootContext, finish_reductions
 from ._group import ParamGroup
+from ._pipelining import StageReduceView
 from ._plugins import get_plugin_manager
 from ._stash import Stash
 from ._storage import reset_sharded_params
+from ._torch_private import expose_fsdp2_state
 from ._unit import UnitSpec
 from ._views import UnitView
 
@@ -168,6 +170,8 @@ class FSDPState:
         self.root_post_backward_hook = torch.compiler.disable(self.root_post_backward)
         for module in modules:
             module._hyperfsdp_state = self  # type: ignore[attr-defined]
+            # torch.distributed.pipelining reads a stage's FSDP2 state (see _pipelining.py)
+            expose_fsdp2_state(module, StageReduceView(module))
             module.register_forward_pre_hook(self.forward_pre_hook, prepend=True, with_kwargs=True)
             module.register_forward_hook(self.forward_post_hook)
 

@@ -155,3 +155,46 @@ class PythonProcessGroup(dist.ProcessGroup):
     recv_anysource = _forward("recv_anysource")
     all_gather_single = _forward("all_gather_single", "_allgather_base")
     reduce_scatter_single = _forward("reduce_scatter_single", "_reduce_scatter_base")
+
+
+# -- torch.distributed.pipelining ------------------------------------------------------------
+# torch's pipeline schedules (``torch.distributed.pipelining``) treat a stage as FSDP only when
+# ``isinstance(stage.submod, torch.distributed.fsdp.FSDPModule)``; they then set the stage's
+# gradient-sync flags around each microbatch, reshard and clear ``.grad`` after metadata
+# inference, unshard/reshard it in UNSHARD/RESHARD actions, and at the end of a step
+# (``perform_reduce_grad``) read ``torch.distributed.fsdp.fully_shard.state(stage)`` and call
+# ``._state_ctx.all_states[i]._fsdp_param_groups[j].post_backward()`` and then
+# ``._root_post_backward_final_callback()`` on what it returns. hyperfsdp_core/_pipelining.py
+# answers those calls; the two functions below are the hooks into torch for it.
+
+
+def torch_fsdp_module_class() -> type | None:
+    """torch's FSDP2 ``FSDPModule``, which hyperfsdp's unioned classes also subclass (as
+    their last base, after ``nn.Module``: every attribute hyperfsdp, a plugin mixin or the
+    original class defines wins) so that torch's pipelining (and torchtitan) recognise a
+    hyperfsdp unit as FSDP. The class is public; that pipelining recognises FSDP by it is
+    not documented. ``None`` where torch has no ``torch.distributed.fsdp``."""
+    try:
+        from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+    except ImportError:  # a torch built without distributed support
+        return None
+    return TorchFSDPModule
+
+
+def expose_fsdp2_state(module: torch.nn.Module, state: object) -> None:
+    """Make ``torch.distributed.fsdp.fully_shard.state(module)`` return ``state``.
+
+    torch's pipeline stage reads it at each step's gradient reduction (see above). The
+    accessor looks the state up in ``module.__dict__[STATE_KEY]`` (``_composable.contract``)
+    under the undecorated ``fully_shard`` function (``fully_shard.__wrapped__``, set by
+    ``functools.wraps``); both are private.
+    """
+    try:
+        from torch.distributed._composable.contract import STATE_KEY
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    except ImportError:
+        return
+    key = getattr(torch_fully_shard, "__wrapped__", None)
+    if key is None:
+        return
+    module.__dict__.setdefault(STATE_KEY, {})[key] = state
