@@ -116,6 +116,11 @@ def pipeline_run(impl: str, schedule_name: str, layout: str = "fsdp", fail_step:
         dp_mesh = mesh["rep", "shard"]
         dp_groups = [dp_mesh.get_group("rep"), dp_mesh.get_group("shard")]
         dp_rank, dp_size = mesh.get_local_rank("rep"), 2
+    elif layout == "tp":  # tensor parallel inside each stage; data parallel of one rank
+        mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
+        dp_mesh = mesh["dp"]
+        dp_groups = [dp_mesh.get_group()]
+        dp_rank, dp_size = 0, 1
     else:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
         dp_mesh = mesh["dp"]
@@ -137,6 +142,15 @@ def pipeline_run(impl: str, schedule_name: str, layout: str = "fsdp", fail_step:
     for module in modules.values():
         own = [module] if multi else list(module)
         for chunk in own:
+            if layout == "tp":
+                from torch.distributed.tensor.parallel import (
+                    ColwiseParallel,
+                    RowwiseParallel,
+                    parallelize_module,
+                )
+
+                plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+                parallelize_module(chunk, mesh["tp"], plan)
             if layout != "flat":
                 fully_shard(chunk[0], mesh=dp_mesh)
                 fully_shard(chunk[2], mesh=dp_mesh)
@@ -220,8 +234,8 @@ def pipeline_run(impl: str, schedule_name: str, layout: str = "fsdp", fail_step:
                 msg=lambda m, k=key, n=step: f"step {n} {k}: {m}",
             )
         loss = torch.stack(mb_losses).mean().reshape(1) if last else torch.zeros(1)
-        dist.all_reduce(loss)  # the last stage's ranks: one loss per data-parallel rank
-        loss = loss / dp_size
+        dist.all_reduce(loss)  # the last stage's ranks (half the world) hold the losses
+        loss = loss / (dist.get_world_size() // 2)
         torch.testing.assert_close(loss[0], ref_loss.detach(), rtol=1e-5, atol=1e-6)
         losses.append(loss.item())
         opt.step()
@@ -266,9 +280,14 @@ def _compare(ours, theirs, reduction: str = "rs") -> None:
             assert g.keys() == tg.keys()
             for key in g:
                 torch.testing.assert_close(g[key], tg[key], rtol=1e-6, atol=1e-7, msg=(step, key))
+        if reduction == "tp":
+            # the tp plugin also sums TP-replicated gradients (the row-wise biases) over
+            # TP, once per step (FSDP2 leaves them to DTensor); the rest as FSDP2
+            assert [c.pop("ar") for c in counts] == [1] * len(counts), counts
         assert counts == t_counts, (counts, t_counts)
         # each unit's gradients reduced once per step, not once per microbatch
-        assert all(c.get(reduction, 0) == units for c in counts), (counts, units)
+        if reduction != "tp":
+            assert all(c.get(reduction, 0) == units for c in counts), (counts, units)
 
 
 @pytest.mark.parametrize("schedule,layout", CASES)
@@ -285,6 +304,13 @@ def test_reset_iter_state_after_a_failed_microbatch(run_ranks):
     ours = run_ranks(4, pipeline_run, "hyperfsdp", "ScheduleGPipe", "fsdp", 1)
     theirs = run_ranks(4, pipeline_run, "fsdp2", "ScheduleGPipe", "fsdp", 1)
     _compare(ours, theirs)
+
+
+def test_tp_stages(run_ranks):
+    """PP 2 x TP 2 (data parallel over one rank): column- then row-wise linears per chunk."""
+    ours = run_ranks(4, pipeline_run, "hyperfsdp", "Schedule1F1B", "tp")
+    theirs = run_ranks(4, pipeline_run, "fsdp2", "Schedule1F1B", "tp")
+    _compare(ours, theirs, reduction="tp")
 
 
 def test_hsdp_stages(run_ranks):
