@@ -318,3 +318,31 @@ def test_hsdp_stages(run_ranks):
     ours = run_ranks(4, pipeline_run, "hyperfsdp", "Schedule1F1B", "hsdp")
     theirs = run_ranks(4, pipeline_run, "fsdp2", "Schedule1F1B", "hsdp")
     _compare(ours, theirs, reduction="ar")  # one shard: no reduce-scatter
+
+
+def torch_sees_fsdp():
+    import torch.distributed.fsdp as fsdp2
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from hyperfsdp_core import FSDPModule, fully_shard
+    from hyperfsdp_core._pipelining import StageReduceView
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    fully_shard(model[0])
+    fully_shard(model)
+    mro = type(model).__mro__
+    assert isinstance(model, fsdp2.FSDPModule) and isinstance(model[0], fsdp2.FSDPModule)
+    assert mro.index(fsdp2.FSDPModule) == mro.index(nn.Module) + 1
+    for name in ("unshard", "reshard", "_apply", "set_is_last_backward", "reset_iter_state"):
+        assert getattr(type(model), name) is getattr(FSDPModule, name), name
+    view = torch_fully_shard.state(model)
+    assert isinstance(view, StageReduceView) and view._state_ctx.all_states == ()
+    assert torch_fully_shard.state(nn.Linear(2, 2)) is None
+    return True
+
+
+def test_units_are_torch_fsdp_modules(run_ranks):
+    """What makes a stage recognisable: every unit is an instance of torch's FSDPModule, whose
+    class comes after nn.Module in the MRO (it supplies nothing a unit uses), and torch's
+    ``fully_shard.state(unit)`` answers the one call a pipeline stage makes of it."""
+    assert run_ranks(1, torch_sees_fsdp) == [True]
