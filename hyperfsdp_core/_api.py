@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ._collectives import Comm
+from ._exit import install_exit_drain
 from ._group import ParamGroup
 from ._mesh_info import check_mesh_device, mesh_device
 from ._module import FSDPModule, fsdp_class
@@ -23,6 +24,8 @@ from ._plugins import get_plugin_manager
 from ._state import FSDPState
 from ._unit import UnitSpec
 from .policies import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+
+install_exit_drain()  # gloo workers finish with the GIL before finalization (see _exit.py)
 
 _DEFAULT_MP = MixedPrecisionPolicy()
 _DEFAULT_OFFLOAD = OffloadPolicy()
