@@ -34,6 +34,7 @@ segment, which the members decide together when the group is first used
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 import os
@@ -61,19 +62,51 @@ _PUB = 0
 _TAG = 8  # _TAG + slot
 _TOKEN = 16
 _POISON = 17  # nonzero once this member's transport failed (its peers then fail at once)
+_WAITING = 18  # nonzero while this member blocks on a peer's counter (the peer then wakes it)
 _ACK = 64  # _ACK + member
 
 #: seconds of waiting between checks that the peers' processes are still alive
 _LIVENESS_EVERY = 1.0
 #: how a rank waits for a peer: it polls the peer's counter for up to ``_SPIN_S`` seconds
-#: (on a quiet machine the peer is a few microseconds behind), then sleeps between polls,
-#: ``_FIRST_PAUSE_S`` doubling up to ``_MAX_PAUSE_S``, giving its core to the peer or to
-#: whatever else runs on the host. It never ``sched_yield``s: under load that hands the
-#: core to a busy process for a whole time slice per call (milliseconds), which made
-#: shared memory 10x slower than gloo on a loaded host (docs/performance.md).
+#: (on a quiet machine the peer is a few microseconds behind), then blocks in the kernel
+#: (a futex on the counter's word, which the peer wakes when it stores the counter and
+#: sees this rank's ``_WAITING`` flag), each block bounded by a timeout from
+#: ``_FIRST_PAUSE_S`` doubling up to ``_MAX_PAUSE_S`` (a safety net; without futexes,
+#: plain sleeps of those lengths). Its core goes to the peer or to whatever else runs on
+#: the host meanwhile. It never ``sched_yield``s: under load that hands the core to a busy
+#: process for a whole time slice per call (milliseconds).
 _SPIN_S = 50e-6
-_FIRST_PAUSE_S = 20e-6
-_MAX_PAUSE_S = 1e-3
+_FIRST_PAUSE_S = 100e-6
+_MAX_PAUSE_S = 2e-3
+#: x86-64 Linux ``futex(2)``: its syscall number and operations (shared, not private:
+#: the word is in memory other processes map)
+_SYS_FUTEX = 202
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = (("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long))
+
+
+def _load_syscall():
+    """libc's ``syscall``, or None where it cannot be loaded (then waits sleep)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        call = libc.syscall
+    except (OSError, AttributeError):
+        return None
+    call.restype = ctypes.c_long
+    return call
+
+
+_syscall = _load_syscall() if sys.platform.startswith("linux") else None
+
+
+def _as_int32(value: int) -> int:
+    """The low 32 bits of a counter (the futex word on little-endian x86-64), signed."""
+    return ((value & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000
+
+
 #: chunk plans kept per group (one per bucket that gathers row by row)
 _MAX_PLANS = 1024
 
@@ -180,11 +213,13 @@ def _alive(pid: int) -> bool:
 class _Segment:
     """One member's mapped segment: its header (int64 words) and its slots (bytes)."""
 
-    __slots__ = ("header", "mm", "slots")
+    __slots__ = ("address", "header", "mm", "slots")
 
     def __init__(self, mm: mmap.mmap, header_bytes: int) -> None:
         self.mm = mm
         self.header = memoryview(mm)[:header_bytes].cast("q")
+        # where the header lives in this process, for futex calls on its words
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(mm))
         # made at a group's first collective, which may run under inference_mode: the
         # slots must be normal tensors, written in place outside it too
         with torch.inference_mode(False):
@@ -213,6 +248,7 @@ class ShmGroup:
         self.world = world
         self.peers = [p for p in range(world) if p != rank]
         self._headers = [s.header for s in segments]
+        self._addresses = [s.address for s in segments]
         self._slots = [s.slots for s in segments]
         self._typed: dict[torch.dtype, list[list[torch.Tensor]]] = {}
         self._pids = pids  # peers' process ids, or None when they cannot be checked
@@ -323,13 +359,31 @@ class ShmGroup:
                 return
         check = start + _LIVENESS_EVERY
         pause = _FIRST_PAUSE_S
+        mine = self._headers[self.rank]
+        address = self._addresses[member] + 8 * word
         while header[word] < target:
             if header[_POISON]:
                 self._fail(
                     f"group rank {member} failed during shared-memory collective #{self.ops} "
                     "(its own error is in its log)"
                 )
-            time.sleep(pause)
+            if _syscall is None:
+                time.sleep(pause)
+            else:
+                mine[_WAITING] = 1
+                seen = header[word]
+                if seen < target:  # else stored meanwhile; the futex returns at once if so
+                    limit = _Timespec(0, int(pause * 1e9))
+                    _syscall(
+                        _SYS_FUTEX,
+                        ctypes.c_void_p(address),
+                        _FUTEX_WAIT,
+                        _as_int32(seen),
+                        ctypes.byref(limit),
+                        None,
+                        0,
+                    )
+                mine[_WAITING] = 0
             pause = min(pause * 2, _MAX_PAUSE_S)
             now = clock()
             if now >= check:
@@ -345,6 +399,18 @@ class ShmGroup:
                         f"group rank {member} (pid {pid}) exited during "
                         f"shared-memory collective #{self.ops}"
                     )
+
+    def _wake(self, word: int, members) -> None:
+        """This rank just stored its header word ``word``: wake those of ``members`` that
+        block (they may wait on it)."""
+        if _syscall is None:
+            return
+        headers = self._headers
+        for m in members:
+            if headers[m][_WAITING]:
+                address = self._addresses[self.rank] + 8 * word
+                _syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, 1 << 30, None, None, 0)
+                return
 
     def _run(self, kind: int, nbytes: int, n_chunks: int, put, take) -> None:
         """One collective: ``put(i, slot)`` writes this rank's chunk ``i`` into its slot
@@ -382,6 +448,7 @@ class ShmGroup:
                 put(written, slot)
                 mine[_TAG + slot] = tag
                 mine[_PUB] = c + 1
+                self._wake(_PUB, peers)
                 written += 1
             c = base + read
             slot = c % SLOTS
@@ -396,6 +463,7 @@ class ShmGroup:
             take(read, slot)
             for p in peers:
                 mine[_ACK + p] = c + 1
+                self._wake(_ACK + p, (p,))
             read += 1
         self.chunks = base + n_chunks
 
