@@ -48,7 +48,14 @@ class StageReduceView:
         return ()
 
     def _root_post_backward_final_callback(self) -> None:
-        self.module.reduce_grads()  # type: ignore[operator]
+        from ._state import reduce_grads
+
+        state = self.module._hyperfsdp_state  # type: ignore[attr-defined]
+        if state.is_root and state.ctx is not None:
+            # a stage is a root: its tree's units, listed once at lazy init
+            reduce_grads(state.ctx.states)
+        else:
+            self.module.reduce_grads()  # type: ignore[operator]
 
     def __repr__(self) -> str:
         return f"StageReduceView({type(self.module).__name__})"
