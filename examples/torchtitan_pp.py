@@ -15,6 +15,10 @@ fp32 tolerance.
 
 World 4 is ``pp 2 x dp_shard 2`` (``parallelism.pipeline_parallel_degree = 2``); 1F1B puts one
 stage on each pipeline rank, Interleaved1F1B two (torchtitan's default for looped schedules).
+``--tp 2`` at world 8 adds tensor and sequence parallelism inside each stage
+(``pp 2 x dp_shard 2 x tp 2``; the loss under ``loss_parallel``, as torchtitan's train context):
+
+    .venv/bin/torchrun --nproc-per-node 8 examples/torchtitan_pp.py --schedule 1F1B --tp 2 --seq 32
 
 Where this differs from torchtitan's ``Trainer`` (which needs its dataset, tokenizer and an
 accelerator): random tokens, one document per row; SDPA as the inner attention (FlexAttention
@@ -33,6 +37,7 @@ which a CPU-only torch lacks; the script stands in a stub for that one module (u
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import types
@@ -79,6 +84,8 @@ def build(args, fully_shard_fn):
         pipeline_parallel_degree=args.pp,
         pipeline_parallel_schedule=args.schedule,
         pipeline_parallel_microbatch_size=1,
+        tensor_parallel_degree=args.tp,
+        enable_sequence_parallel=args.tp > 1,
         spmd_backend="partial_dtensor",
     )
     training = TrainingConfig(
@@ -97,7 +104,7 @@ def build(args, fully_shard_fn):
         # FlexAttention has no backward on CPU; SDPA (causal, one document per row) is what
         # torchtitan's maskless tests use
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    set_llama3_sharding_config(config, enable_sp=False)
+    set_llama3_sharding_config(config, enable_sp=args.tp > 1)
     torch.manual_seed(0)
     with torch.device("meta"):
         model = config.build()
@@ -138,6 +145,8 @@ def train(args, fully_shard_fn) -> list[float]:
     loss of each step."""
     import torch
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
 
     schedule, parts, has_first, has_last, dims = build(args, fully_shard_fn)
     batch_mesh = dims.get_mesh("batch")
@@ -156,17 +165,21 @@ def train(args, fully_shard_fn) -> list[float]:
         inputs, labels = local[:, :-1], local[:, 1:]
         global_tokens = torch.tensor(float(labels.numel() * batch_size))
         mb_losses: list = []
-        schedule.step(
-            *((inputs,) if has_first else ()),
-            target=labels if has_last else None,
-            losses=mb_losses if has_last else None,
-            loss_kwargs={"global_valid_tokens": global_tokens},
-        )
+        with loss_parallel() if args.tp > 1 else contextlib.nullcontext():
+            schedule.step(
+                *((inputs,) if has_first else ()),
+                target=labels if has_last else None,
+                losses=mb_losses if has_last else None,
+                loss_kwargs={"global_valid_tokens": global_tokens},
+            )
         opt.step()
         opt.zero_grad()
         # the last stage's ranks hold the losses: summed over the world, the global mean
+        if has_last:
+            mb_losses = [x.full_tensor() if isinstance(x, DTensor) else x for x in mb_losses]
         total = torch.stack(mb_losses).sum().detach() if has_last else torch.zeros(())
         dist.all_reduce(total)
+        total = total / args.tp  # every tensor-parallel rank of the last stage holds it
         losses.append(total.item())
     return losses
 
@@ -175,6 +188,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--schedule", default="1F1B", help="1F1B, Interleaved1F1B, GPipe, ...")
     parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--tp", type=int, default=1, help="2 at world 8: pp 2 x dp 2 x tp 2")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--layers", type=int, default=6, help="the debugmodel has 6")
     parser.add_argument("--batch", type=int, default=4, help="sequences per data-parallel rank")
@@ -193,7 +207,8 @@ def main() -> None:
     ours = train(args, fully_shard)
     theirs = train(args, torch_fully_shard)
     if dist.get_rank() == 0:
-        print(f"{args.schedule}, pp {args.pp} x dp {dist.get_world_size() // args.pp}")
+        dp = dist.get_world_size() // (args.pp * args.tp)
+        print(f"{args.schedule}, pp {args.pp} x dp {dp} x tp {args.tp}")
         print("step  hyperfsdp            FSDP2")
         for step, (a, b) in enumerate(zip(ours, theirs)):
             print(f"{step:4d}  {a:.10f}  {b:.10f}")
