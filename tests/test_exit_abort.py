@@ -6,8 +6,8 @@ holds the GIL until the interpreter finalizes, CPython ends the worker thread in
 ``noexcept`` destructor: ``terminate called without an active exception``. The ``det``
 script of ``tools/exit_abort_loop.py`` makes that timing certain (an async all-gather whose
 handle is dropped, then a busy loop holding the GIL with a 1000 s switch interval until the
-work is done); without hyperfsdp's exit drain nearly every launch aborts (measured: 17 of 18
-ranks in 9 launches), with it none does.
+work is done); without hyperfsdp's exit drain nearly every launch aborts (measured: 12 of 13
+launches), with it none does.
 """
 
 from __future__ import annotations
