@@ -28,7 +28,14 @@ ROOT = Path(__file__).resolve().parent.parent
 REUSED = ("torch", "pluggy", "attrs", "numpy", "tqdm", "safetensors")
 EXTRAS = {
     name.split("-", 1)[1]: name
-    for name in ("hyperfsdp-hsdp", "hyperfsdp-tp", "hyperfsdp-offload", "hyperfsdp-dcp")
+    for name in (
+        "hyperfsdp-hsdp",
+        "hyperfsdp-tp",
+        "hyperfsdp-offload",
+        "hyperfsdp-dcp",
+        "hyperfsdp-shm",
+        "hyperfsdp-qcomm",
+    )
 }
 TIMEOUT = 600
 
@@ -175,6 +182,20 @@ SMOKE = textwrap.dedent(
         return kinds
 
 
+    def shm():
+        torch.manual_seed(0)
+        return step(nn.Sequential(nn.Linear(8, 7), nn.ReLU(), nn.Linear(7, 3)), None)
+
+
+    def qcomm():
+        import hyperfsdp_qcomm
+
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 7), nn.ReLU(), nn.Linear(7, 3))
+        hyperfsdp_qcomm.enable(model, min_numel=0)
+        return step(model, None)
+
+
     def tp():
         from torch.distributed.tensor.parallel import (
             ColwiseParallel,
@@ -286,7 +307,7 @@ def test_wheels_are_built_for_the_core_and_every_plugin(wheels):
 
 
 def test_all_extra_installs_every_plugin_from_wheels(wheels, tmp_path):
-    extras = ["dcp", "hsdp", "offload", "tp"]
+    extras = ["dcp", "hsdp", "offload", "qcomm", "shm", "tp"]
     assert _available(wheels, tuple(extras)) == extras
     _check_install(tmp_path, wheels, extras, requested="all")
 
@@ -305,7 +326,7 @@ def test_bench_wheel_adds_the_bench_command(wheels, bench_wheel, tmp_path):
     assert plugins.returncode == 0, plugins.stderr
     for name, dist in [
         ("bench", "hyperfsdp-bench"),
-        *((e, EXTRAS[e]) for e in ("hsdp", "tp", "offload")),
+        *((e, EXTRAS[e]) for e in ("hsdp", "tp", "offload", "shm")),
     ]:
         assert re.search(rf"^\s+{name}\s+{dist}\s", plugins.stdout, re.MULTILINE), plugins.stdout
     listing = _run(python, "-m", "hyperfsdp_core", "bench", "--list", "--config", "tp", cwd=work)

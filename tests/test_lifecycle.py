@@ -68,19 +68,13 @@ def test_training_after_process_group_reinit(tmp_path):
 
 
 def rank_unshard_before_first_forward():
-    from hyperfsdp_core import _collectives
-
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 3))
     fully_shard(model[0])
     fully_shard(model)
-    # gloo's own all-gather, which gathers into a pooled staging buffer (the default on
-    # gloo, an in-place all-reduce, pools nothing): the early comm then holds a buffer
-    saved, _collectives.GLOO_ALL_REDUCE = _collectives.GLOO_ALL_REDUCE, False
-    try:
-        model[0].unshard()  # before any forward: no root, no shared context yet
-    finally:
-        _collectives.GLOO_ALL_REDUCE = saved
+    # before lazy init no transport is asked: torch's own all-gather into a pooled
+    # staging buffer, so the early comm then holds a buffer
+    model[0].unshard()  # before any forward: no root, no shared context yet
     early = model[0]._hyperfsdp_state.comm
     pooled_before = early.pooled_bytes
     for _ in range(2):

@@ -152,8 +152,12 @@ def train_rank(copies: list[Transformer], impl: str, layout: str, separate: bool
         dist.all_reduce(avg)
         losses.append(avg.item() / world)
     if impl == "hyperfsdp":  # the threaded backend is not gloo: torch's own collectives
-        comm = model._hyperfsdp_state.ctx.comm
-        assert not comm.uses_all_reduce(None) and comm.shm(None) is None
+        from hyperfsdp_shm.plugin import ROOT_TRANSPORT
+
+        from hyperfsdp_core.plugin import unit_of
+
+        t = unit_of(model).root.stash.get(ROOT_TRANSPORT, None)
+        assert t is None or (not any(t._is_gloo.values()) and not any(t._shm.values()))
     params = {n: full(p.detach()).clone() for n, p in model.named_parameters()}
     return losses, params
 
