@@ -220,9 +220,15 @@ class GatherBytes:
 
 
 def rank_train(
-    engine: str, rows: tuple[int, int, int], gain_dtype=torch.float32, world: int = 0
+    engine: str,
+    rows: tuple[int, int, int],
+    gain_dtype=torch.float32,
+    world: int = 0,
+    layout: str = "fsdp",
 ) -> dict:
-    """Train; ``world`` (the reference, one process): the world whose global batch to use."""
+    """Train; ``world`` (the reference, one process): the world whose global batch to use;
+    ``layout``: ``"hsdp"`` (a (2, world/2) mesh) or ``"post_forward"``
+    (``reshard_after_forward=2`` on the blocks)."""
     world, rank = world or dist.get_world_size(), dist.get_rank()
     Split16Weight.posts.clear()
     model = build(rows, gain_dtype)
@@ -242,9 +248,17 @@ def rank_train(
         from torch.distributed.fsdp import fully_shard
     else:
         from hyperfsdp_core import fully_shard
-    fully_shard(model.block0)
-    fully_shard(model.block1)
-    fully_shard(model)
+    kwargs, block_kwargs = {}, {}
+    if layout == "hsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        kwargs = block_kwargs = {"mesh": mesh}
+    elif layout == "post_forward":
+        block_kwargs = {"reshard_after_forward": 2}
+    fully_shard(model.block0, **block_kwargs)
+    fully_shard(model.block1, **block_kwargs)
+    fully_shard(model, **kwargs)
     locals_ok = all(
         isinstance(m.weight.to_local(), Split16Weight)
         for m in (model.block0.lin, model.block1.lin, model.head)
@@ -392,3 +406,31 @@ def rank_bad(kind: str) -> str:
 def test_bad_extension_is_named_at_fully_shard(run_ranks, kind, words):
     for message in run_ranks(2, rank_bad, kind):
         assert "'0.weight'" in message and words in message, message
+
+
+def test_hsdp_trains_as_fsdp2(run_ranks):
+    """A (2, 2) mesh: the payload is gathered over the shard group (the mesh given to
+    ``fsdp_pre_all_gather`` is the shard mesh), gradients all-reduced over the replicas."""
+    rows = (8, 12, 4)
+    ours = run_ranks(4, rank_train, "hyperfsdp", rows, torch.float32, 0, "hsdp")
+    fsdp2 = run_ranks(4, rank_train, "fsdp2", rows, torch.float32, 0, "hsdp")
+    for o, f in zip(ours, fsdp2, strict=True):
+        torch.testing.assert_close(o["losses"], f["losses"])
+        for name in f["params"]:
+            torch.testing.assert_close(o["params"][name], f["params"][name], msg=name)
+        assert o["observed_all_gather"] == f["fsdp2_all_gather"]
+
+
+def test_reshard_after_forward_int_reshards_extension_params_fully(run_ranks):
+    """``reshard_after_forward=2`` at world 4 (FSDP2 raises for such parameters): the
+    extension's parameters reshard fully and re-gather in backward, the plain ones keep
+    their post-forward shard; training is unchanged."""
+    rows = (8, 12, 4)
+    ours = run_ranks(4, rank_train, "hyperfsdp", rows, torch.float32, 0, "post_forward")
+    plain = run_ranks(4, rank_train, "hyperfsdp", rows, torch.float32, 0, "fsdp")
+    for o, p in zip(ours, plain, strict=True):
+        assert o["losses"] == p["losses"]
+        for name in p["params"]:
+            assert torch.equal(o["params"][name], p["params"][name]), name
+        assert [given for _, given, _ in o["posts"]].count(False) == 3
+        assert len(o["posts"]) == len(p["posts"])  # the blocks' weights re-gathered in full
