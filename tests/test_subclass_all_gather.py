@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from hyperfsdp_core.plugin import hookimpl
@@ -115,6 +116,8 @@ class Split16Weight(torch.Tensor):
         assert torch.all(scales == scales[0])  # one per rank, all equal
         value = join16(hi, q, scales[0]).to(param_dtype)
         if out is not None:
+            if isinstance(out, DTensor):  # tensor parallel: the unsharded TP-local tensor
+                out = out._local_tensor
             # write in place through an alias with its own version counter: autograd
             # saved the parameter in forward
             st = out.untyped_storage()
@@ -434,3 +437,47 @@ def test_reshard_after_forward_int_reshards_extension_params_fully(run_ranks):
             assert torch.equal(o["params"][name], p["params"][name]), name
         assert [given for _, given, _ in o["posts"]].count(False) == 3
         assert len(o["posts"]) == len(p["posts"])  # the blocks' weights re-gathered in full
+
+
+def rank_tensor_parallel(engine: str) -> list[float]:
+    """A (dp 2, tp 2) mesh: colwise and rowwise tensor-parallel subclass weights, sharded
+    over dp: the payload of the TP-local tensor is gathered, ``out=`` is the DTensor."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    if engine == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+    else:
+        from hyperfsdp_core import fully_shard
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    for lin in (model[0], model[2]):
+        lin.weight = nn.Parameter(Split16Weight(lin.weight.data))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model[0], mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dp = mesh["dp"].get_local_rank()
+    losses = []
+    for step in range(STEPS):
+        x = torch.randn(8, 8, generator=torch.Generator().manual_seed(step)).chunk(2)[dp]
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert isinstance(model[0].weight.to_local(), Split16Weight)
+    return losses + [p.detach().full_tensor() for p in model.parameters()]
+
+
+def test_tensor_parallel_trains_as_fsdp2(run_ranks):
+    pytest.importorskip("hyperfsdp_tp")
+    ours = run_ranks(4, rank_tensor_parallel, "hyperfsdp")
+    fsdp2 = run_ranks(4, rank_tensor_parallel, "fsdp2")
+    for o, f in zip(ours, fsdp2, strict=True):
+        torch.testing.assert_close(o, f)
