@@ -45,6 +45,7 @@ from ._collectives import Comm
 from ._extension import pre_arity
 from ._group import Bucket, ShardedState
 from ._param import HSDPParam
+from ._torch_private import dtensor_local_tensor
 
 
 def _shard_mesh(info):
@@ -197,7 +198,7 @@ class ExtensionBucket(Bucket):
         mesh, out = self._mesh, []
         mp = self.unit.mp_policy if self.unit is not None else None
         with torch.no_grad():
-            locals_ = [p.sharded_param.to_local() for p in self.params]
+            locals_ = [dtensor_local_tensor(p.sharded_param) for p in self.params]
             if self._arity is None:
                 self._arity = [pre_arity(local) for local in locals_]
             for p, local, arity in zip(self.params, locals_, self._arity, strict=True):
@@ -308,7 +309,7 @@ class ExtensionBucket(Bucket):
         metadata, self._metadata = self._metadata, None
         with torch.inference_mode(False), torch.no_grad():
             for p, m, meta in zip(self.params, self._members, metadata, strict=True):
-                local = p.sharded_param.to_local()
+                local = dtensor_local_tensor(p.sharded_param)
                 if p.unsharded_param is None:
                     tensor, inner = local.fsdp_post_all_gather(tuple(m.unflat), meta, p.param_dtype)
                     if tuple(tensor.shape) != p.unsharded_shape:

@@ -191,3 +191,57 @@ def test_uneven_float8_weight_trains(run_ranks, world, rows, recipe):
         for name, value in ref["params"].items():
             torch.testing.assert_close(o["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
         assert o["observed"] == STEPS * float8_payload(rows, world)
+
+
+def rank_tensor_parallel(engine: str, precompute: bool) -> list:
+    """float8 with torchao's tensor-parallel styles on a (dp 2, tp 2) mesh, sharded over
+    dp. With tensor parallelism the precomputed scale (amax over the whole weight) differs
+    from the dynamic one (amax over the dp group), so the losses show which was used."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torchao.float8 import (
+        Float8LinearConfig,
+        convert_to_float8_training,
+        precompute_float8_dynamic_scale_for_fsdp,
+    )
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+    )
+
+    if engine == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+    else:
+        from hyperfsdp_core import fully_shard
+    warnings.filterwarnings("ignore")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, D_IN))
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    convert_to_float8_training(model, config=config)
+    parallelize_module(
+        model, mesh["tp"], {"0": Float8ColwiseParallel(), "2": Float8RowwiseParallel()}
+    )
+    fully_shard(model[0], mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dp = mesh["dp"].get_local_rank()
+    losses = []
+    for step in range(STEPS):
+        x = torch.randn(16, D_IN, generator=torch.Generator().manual_seed(step)).chunk(2)[dp]
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if precompute:
+            precompute_float8_dynamic_scale_for_fsdp(model)
+        losses.append(loss.item())
+    return losses + [p.detach().full_tensor().float() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("precompute", [False, True])
+def test_float8_tensor_parallel_as_fsdp2(run_ranks, precompute):
+    ours = run_ranks(4, rank_tensor_parallel, "hyperfsdp", precompute, timeout=600)
+    fsdp2 = run_ranks(4, rank_tensor_parallel, "fsdp2", precompute, timeout=600)
+    for o, f in zip(ours, fsdp2, strict=True):
+        torch.testing.assert_close(o, f)
