@@ -14,6 +14,7 @@ all-gathers move the payload bytes.
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 
 import pytest
@@ -24,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from hyperfsdp_core.plugin import hookimpl
-from hyperfsdp_core.testing import registered
+from hyperfsdp_core.testing import registered, shared_memory
 
 aten = torch.ops.aten
 STEPS = 4
@@ -222,16 +223,34 @@ class GatherBytes:
             setattr(dist, name, fn)
 
 
+@contextlib.contextmanager
+def gather_route(route: str):
+    """The gloo route of the core's all-gathers: ``"shm"`` (shared memory), ``"native"``
+    (gloo's all-gather), ``"p2p"`` (point to point), ``"all_reduce"`` (in place)."""
+    from hyperfsdp_core import _collectives
+
+    saved = _collectives.GLOO_ALL_GATHER_MIN_BYTES, _collectives.GLOO_P2P_ALL_GATHER
+    if route != "native":
+        _collectives.GLOO_ALL_GATHER_MIN_BYTES = 0
+    _collectives.GLOO_P2P_ALL_GATHER = route != "all_reduce"
+    try:
+        with shared_memory(route == "shm"):
+            yield
+    finally:
+        _collectives.GLOO_ALL_GATHER_MIN_BYTES, _collectives.GLOO_P2P_ALL_GATHER = saved
+
+
 def rank_train(
     engine: str,
     rows: tuple[int, int, int],
     gain_dtype=torch.float32,
     world: int = 0,
     layout: str = "fsdp",
+    route: str = "shm",
 ) -> dict:
     """Train; ``world`` (the reference, one process): the world whose global batch to use;
     ``layout``: ``"hsdp"`` (a (2, world/2) mesh) or ``"post_forward"``
-    (``reshard_after_forward=2`` on the blocks)."""
+    (``reshard_after_forward=2`` on the blocks); ``route``: see :func:`gather_route`."""
     world, rank = world or dist.get_world_size(), dist.get_rank()
     Split16Weight.posts.clear()
     model = build(rows, gain_dtype)
@@ -280,7 +299,7 @@ def rank_train(
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     observed, gathered = Observed(), GatherBytes()
     losses = []
-    with registered(observed, "observed"), gathered:
+    with registered(observed, "observed"), gathered, gather_route(route):
         for step in range(STEPS):
             x, y = batch(step, 2 * world)
             x = x.chunk(world)[rank]
@@ -325,14 +344,17 @@ def payload_bytes(rows: tuple[int, int, int], world: int, gain_bytes: int = 4) -
     return total
 
 
+@pytest.mark.parametrize("route", ["shm", "native", "p2p", "all_reduce"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_trains_as_fsdp2_and_moves_payload_bytes(run_ranks, world):
+def test_trains_as_fsdp2_and_moves_payload_bytes(run_ranks, monkeypatch, world, route):
     """Even shapes: the same losses and parameters as torch's FSDP2 on the same script;
     the subclass stays the sharded local tensor; buffers are reused across iterations
     (``out=`` given, the same storage); the observer's all-gather bytes are FSDP2's and
     the payload's, well under what fp32 would move."""
+    if route != "shm":  # the core's own gloo routes, not a shared-memory plugin's transport
+        monkeypatch.setenv("HYPERFSDP_PLUGINS_DISABLE", "shm")
     rows = (8, 12, 4)
-    ours = run_ranks(world, rank_train, "hyperfsdp", rows)
+    ours = run_ranks(world, rank_train, "hyperfsdp", rows, torch.float32, 0, "fsdp", route)
     fsdp2 = run_ranks(world, rank_train, "fsdp2", rows)
     for o, f in zip(ours, fsdp2, strict=True):
         torch.testing.assert_close(o["losses"], f["losses"])
