@@ -159,7 +159,7 @@ class ExtensionBucket(Bucket):
         self._members: list[_Member] | None = None
         self._row_bytes = 0
         self._metadata: list | None = None
-        self._mesh = None
+        self._pre_mesh = None
         self._arity: list[int] | None = None  # each member's fsdp_pre_all_gather arity
 
     # -- sharded storage --------------------------------------------------------------------
@@ -193,9 +193,9 @@ class ExtensionBucket(Bucket):
 
     # -- unshard ------------------------------------------------------------------------------
     def _payloads(self) -> list[tuple[list[torch.Tensor], object]]:
-        if self._mesh is None:
-            self._mesh = _shard_mesh(self.mesh_info)
-        mesh, out = self._mesh, []
+        if self._pre_mesh is None:
+            self._pre_mesh = _shard_mesh(self.mesh_info)
+        mesh, out = self._pre_mesh, []
         mp = self.unit.mp_policy if self.unit is not None else None
         with torch.no_grad():
             locals_ = [dtensor_local_tensor(p.sharded_param) for p in self.params]
@@ -217,7 +217,7 @@ class ExtensionBucket(Bucket):
                 out.append((list(inputs), metadata))
         return out
 
-    def _layout(self, payloads) -> None:
+    def _lay_out_rows(self, payloads) -> None:
         members, offset = [], 0
         for p, (inputs, _) in zip(self.params, payloads, strict=True):
             m = _Member(p, inputs, self.world, offset)
@@ -242,7 +242,7 @@ class ExtensionBucket(Bucket):
         self._comm = comm
         payloads = self._payloads()
         if self._members is None:
-            self._layout(payloads)
+            self._lay_out_rows(payloads)
         else:
             self._check_shapes(payloads)
         self._metadata = [meta for _, meta in payloads]
