@@ -16,6 +16,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ._collectives import Comm
 from ._exit import install_exit_drain
+from ._extension import initial_local
 from ._group import ParamGroup
 from ._mesh_info import check_mesh_device, mesh_device
 from ._module import FSDPModule, fsdp_class
@@ -291,6 +292,8 @@ def _check_even(fqn: str, tensor: torch.Tensor, dim: int, world: int) -> None:
 
 
 def _initial_local(hp: HSDPParam, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if hp.extension:  # the all-gather extension's subclass stays one (no detach)
+        return initial_local(hp, tensor, device)
     data = tensor.detach()
     if data.device.type == "meta":
         return torch.empty(hp.layout.actual_shape, dtype=data.dtype, device="meta")

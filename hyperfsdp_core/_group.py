@@ -122,7 +122,7 @@ class Bucket:
 
     @staticmethod
     def key(p: HSDPParam) -> tuple:
-        return (p.mesh_info, p.orig_dtype, p.param_dtype, p.reduce_dtype)
+        return (p.mesh_info, p.orig_dtype, p.param_dtype, p.reduce_dtype, p.extension)
 
     @property
     def needs_all_gather(self) -> bool:
@@ -565,10 +565,15 @@ class ParamGroup:
 
     def rebucket(self) -> None:
         """(Re)group the parameters by topology and dtypes (after dtype changes, too)."""
+        from ._subclass_gather import ExtensionBucket
+
         by_key: dict[tuple, list[HSDPParam]] = {}
         for p in self.params:
             by_key.setdefault(Bucket.key(p), []).append(p)
-        self.buckets = [Bucket(members, self.device) for members in by_key.values()]
+        self.buckets = [
+            (ExtensionBucket if members[0].extension else Bucket)(members, self.device)
+            for members in by_key.values()
+        ]
         self.apply_settings()
 
     def ask_transport(self, question: Callable[[], Transport | None]) -> None:

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ._extension import extension_of
 from ._layout import ShardLayout, contiguous_strides
 from ._mesh_info import MeshInfo
 from ._records import ParamLayout
@@ -67,6 +68,8 @@ class HSDPParam:
         self.dtensor_mesh = layout.mesh
         self.placements = layout.placements
         self.wrap_unsharded = layout.wrap_unsharded
+        # FSDP2's tensor-subclass all-gather extension (``_subclass_gather.py``)
+        self.extension = extension_of(fqn, layout.tensor, shard_dim)
         self.unwrap_grad = layout.unwrap_grad
         self.orig_dtype = param.dtype
         self.param_dtype: torch.dtype = param.dtype

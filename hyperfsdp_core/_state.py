@@ -286,8 +286,13 @@ class FSDPState:
         for p in group.params:
             p.land_grad = land
         if self.is_root:
-            # frozen parameters accumulate nothing (and cannot take the hook)
-            trainable = [p.unsharded_param for p in group.params if p.requires_grad]
+            # frozen parameters accumulate nothing (and cannot take the hook); an
+            # all-gather extension's unsharded parameter is built at its first unshard
+            trainable = [
+                p.unsharded_param
+                for p in group.params
+                if p.requires_grad and p.unsharded_param is not None
+            ]
             for param in trainable:
                 param.register_post_accumulate_grad_hook(self._deferred_backward_prefetch)
             self.can_defer_prefetch = bool(trainable)

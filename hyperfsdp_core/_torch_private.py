@@ -44,6 +44,19 @@ def dtensor_from_local_fast(local: torch.Tensor, like: DTensor) -> DTensor:
     return DTensor(local, spec, requires_grad=False)
 
 
+def dtensor_local_tensor(dt: DTensor) -> torch.Tensor:
+    """``dt``'s own local tensor object (not a view of it).
+
+    The all-gather extension calls ``fsdp_pre_all_gather``/``fsdp_post_all_gather`` on
+    the sharded parameter's local tensor, whose attributes users set between steps
+    (torchao's ``precompute_float8_dynamic_scale_for_fsdp`` sets ``_precomputed_scale``
+    on ``weight._local_tensor``, as FSDP2 reads it). The public ``to_local()`` of a
+    ``Parameter(DTensor)`` returns a fresh view in torch 2.13, a new subclass object
+    without those attributes.
+    """
+    return dt._local_tensor
+
+
 def swap_storage_memory(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
     """Exchange the memory (and byte sizes) of two CPU storages.
 
