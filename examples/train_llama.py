@@ -27,12 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from hyperfsdp_core import (
-    CPUOffloadPolicy,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    fully_shard,
-)
+from hyperfsdp_core import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -1,9 +1,14 @@
 """hyperfsdp: fully sharded data parallelism for PyTorch (a drop-in ``fully_shard``)."""
 
-from ._api import fully_shard, register_fsdp_forward_method, share_comm_ctx
-from ._module import FSDPModule, UnshardHandle
-from ._plugins import get_plugin_manager, hookimpl
-from .policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from .api import fully_shard, register_fsdp_forward_method, share_comm_ctx
+from .module import FSDPModule, UnshardHandle
+from .plugin.manager import get_plugin_manager, hookimpl
+from .policies import (
+    CPUOffloadPolicy,
+    DataParallelMeshDims,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+)
 
 __all__ = [
     "CPUOffloadPolicy",

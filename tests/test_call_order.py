@@ -13,8 +13,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from hyperfsdp_core import fully_shard, hookspecs
-from hyperfsdp_core.plugin import FIRST_PHASE, Phase, hookimpl
+from hyperfsdp_core import fully_shard
+from hyperfsdp_core.plugin import FIRST_PHASE, Phase, hookimpl, hookspecs
 from hyperfsdp_core.testing import registered, run_on_ranks
 
 HOOKS = sorted(n for n, f in vars(hookspecs).items() if hasattr(f, "hyperfsdp_spec"))

@@ -11,14 +11,13 @@ import sys
 import pytest
 
 from hyperfsdp_core import hookimpl
-from hyperfsdp_core._plugins import (
+from hyperfsdp_core.cli import main
+from hyperfsdp_core.plugin.manager import (
     DISABLE_AUTOLOAD_ENV,
-    FIRST_PHASE,
     PLUGINS_DISABLE_ENV,
-    Phase,
     get_plugin_manager,
 )
-from hyperfsdp_core.cli import main
+from hyperfsdp_core.plugin.phases import FIRST_PHASE, Phase
 
 VERSION = importlib.metadata.version("hyperfsdp")
 BUILTINS = ("hyperfsdp.core", "hyperfsdp.mixed_precision")
@@ -114,7 +113,7 @@ def test_python_m_hyperfsdp_core_plugins():
 
 
 def test_plugins_says_when_autoload_is_disabled(capsys, monkeypatch):
-    from hyperfsdp_core import _plugins as plugins
+    from hyperfsdp_core.plugin import manager as plugins
 
     monkeypatch.setenv(DISABLE_AUTOLOAD_ENV, "1")
     monkeypatch.setattr(plugins, "_manager", None)  # rebuilt with the switch on, then restored
@@ -157,10 +156,11 @@ def test_console_script_help():
 
 
 def test_plugins_reports_a_plugin_that_fails_to_import(capsys, monkeypatch):
-    from hyperfsdp_core import _plugins as plugins
+    from hyperfsdp_core.plugin import manager as plugins
+    from hyperfsdp_core.plugin import versions
 
     def broken(**kwargs):
-        raise plugins.PluginLoadError(
+        raise versions.PluginLoadError(
             "hyperfsdp plugin 'fake' from distribution 'hyperfsdp-fake' 9.9 failed to import"
         )
 
@@ -197,7 +197,7 @@ def test_bench_is_a_plugin_command(env, monkeypatch, capsys):
         main(["--help"])
     assert re.search(r"^\s+bench\s+benchmark hyperfsdp", capsys.readouterr().out, re.MULTILINE)
 
-    from hyperfsdp_core import _plugins
+    from hyperfsdp_core.plugin import manager as _plugins
 
     monkeypatch.setenv(env, "bench" if env == PLUGINS_DISABLE_ENV else "1")
     monkeypatch.setattr(_plugins, "_manager", None)  # a fresh manager, restored afterwards

@@ -75,7 +75,7 @@ def test_world_one_has_no_collectives(run_ranks):
 
 
 def test_storage_pool_parks_and_hands_back_memory():
-    from hyperfsdp_core._collectives import StoragePool
+    from hyperfsdp_core.comm.collectives import StoragePool
 
     pool = StoragePool(max_idle=1)
     a, b = torch.arange(6.0), torch.zeros(6)
@@ -103,7 +103,7 @@ MIN_BYTES = "HYPERFSDP_GLOO_ALL_GATHER_MIN_BYTES"
 
 
 def unsharded_memory_reuse(shm):
-    from hyperfsdp_core import _collectives as coll
+    from hyperfsdp_core.comm import collectives as coll
     from hyperfsdp_core.testing import shared_memory
 
     saved_rs = coll.Comm.reduce_scatter
@@ -176,12 +176,12 @@ def test_one_buffer_is_handed_along_when_gathers_run_in_line(run_ranks):
 def gradients_freed_before_reduce(shm):
     import weakref
 
-    from hyperfsdp_core import _collectives as coll
-    from hyperfsdp_core._param import HSDPParam
+    from hyperfsdp_core.comm import collectives as coll
+    from hyperfsdp_core.engine.param import ShardedParam
     from hyperfsdp_core.testing import shared_memory
 
     taken, alive_at_issue = [], []
-    saved_take, saved_rs = HSDPParam.take_unsharded_grad, coll.Comm.reduce_scatter
+    saved_take, saved_rs = ShardedParam.take_unsharded_grad, coll.Comm.reduce_scatter
 
     def take(self):
         grad = saved_take(self)
@@ -194,7 +194,7 @@ def gradients_freed_before_reduce(shm):
         taken.clear()
         return saved_rs(self, output, *args, **kw)
 
-    HSDPParam.take_unsharded_grad, coll.Comm.reduce_scatter = take, reduce_scatter
+    ShardedParam.take_unsharded_grad, coll.Comm.reduce_scatter = take, reduce_scatter
     try:
         with shared_memory(shm):
             torch.manual_seed(0)
@@ -206,7 +206,7 @@ def gradients_freed_before_reduce(shm):
                 x, y = token_batch(step, 4, 5, 31)
                 lm_loss(model(local_slice(x)), local_slice(y)).backward()
     finally:
-        HSDPParam.take_unsharded_grad, coll.Comm.reduce_scatter = saved_take, saved_rs
+        ShardedParam.take_unsharded_grad, coll.Comm.reduce_scatter = saved_take, saved_rs
     return alive_at_issue
 
 

@@ -9,7 +9,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hyperfsdp_core import UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
+from hyperfsdp_core import (
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+)
 from hyperfsdp_core.testing import shared_memory
 from hyperfsdp_core.testing.counting import CollectiveCounter
 from hyperfsdp_core.testing.reference import (

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from hyperfsdp_core import hookspecs
-from hyperfsdp_core._plugins import build_plugin_manager
+from hyperfsdp_core.plugin import hookspecs
+from hyperfsdp_core.plugin.manager import build_plugin_manager
 
 ROOT = Path(__file__).resolve().parent.parent
 HOOKS_DOC = ROOT / "docs" / "plugin_hooks.md"
@@ -208,8 +208,8 @@ def _console_output(doc: Path, command: str = "hyperfsdp plugins") -> list[str]:
 def test_documented_plugins_output_is_the_real_output(doc, monkeypatch, capsys):
     """The ``hyperfsdp plugins`` output pasted in the docs is this environment's (the dev
     environment of ``make install``, with every plugin of the repository installed)."""
-    from hyperfsdp_core import _plugins
     from hyperfsdp_core.cli import main
+    from hyperfsdp_core.plugin import manager as _plugins
 
     monkeypatch.delenv(_plugins.PLUGINS_DISABLE_ENV, raising=False)
     monkeypatch.delenv(_plugins.DISABLE_AUTOLOAD_ENV, raising=False)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.utils.parametrize as parametrize
 from torch import nn
 
-from hyperfsdp_core import _collectives as _coll
+from hyperfsdp_core.comm import collectives as _coll
 from hyperfsdp_core.testing.reference import MLPStack, full, mlp_batch
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16

@@ -180,7 +180,7 @@ def run_plugin_case(name):
     """Run with entry-point plugins switched off: the core alone must name the extra."""
     import os
 
-    from hyperfsdp_core._plugins import DISABLE_AUTOLOAD_ENV, reset_plugin_manager
+    from hyperfsdp_core.plugin.manager import DISABLE_AUTOLOAD_ENV, reset_plugin_manager
 
     os.environ[DISABLE_AUTOLOAD_ENV] = "1"
     reset_plugin_manager()

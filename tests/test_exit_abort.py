@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import hyperfsdp_core._exit as exit_drain
+import hyperfsdp_core.comm.exit as exit_drain
 
 TOOL = Path(__file__).resolve().parent.parent / "tools" / "exit_abort_loop.py"
 

@@ -269,7 +269,7 @@ def backward_prefetch_order(shm):
 
 
 def _backward_prefetch_order():
-    from hyperfsdp_core._group import Bucket
+    from hyperfsdp_core.engine.unit_params import Bucket
     from hyperfsdp_core.testing.reference import Transformer
 
     os.environ["HYPERFSDP_LOG_TRANSITIONS"] = "1"

@@ -71,7 +71,7 @@ def dirty_the_process():
     torch.rand(100)
     torch.set_default_dtype(torch.float64)
     from hyperfsdp_core import hookimpl
-    from hyperfsdp_core._plugins import get_plugin_manager
+    from hyperfsdp_core.plugin.manager import get_plugin_manager
 
     class Leftover:
         @hookimpl
@@ -88,7 +88,7 @@ def dirty_the_process_and_raise():
 
 
 def observe_state():
-    from hyperfsdp_core._plugins import get_plugin_manager
+    from hyperfsdp_core.plugin.manager import get_plugin_manager
 
     return (
         os.environ.get("HYPERFSDP_HARNESS_LEFTOVER"),

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hyperfsdp_core._layout import ShardLayout, actual_lengths, pack_segments
+from hyperfsdp_core.engine.layout import ShardLayout, actual_lengths, pack_segments
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from hyperfsdp_core import FSDPModule, fully_shard
-from hyperfsdp_core._module import fsdp_class
+from hyperfsdp_core.module import fsdp_class
 
 
 def class_union():
@@ -88,7 +88,7 @@ def test_unioned_class_with_plugin_mixins_unpickles_in_a_fresh_process(tmp_path,
     code = (
         f"import pickle, sys; sys.path.insert(0, {str(tmp_path)!r}); "
         "cls = pickle.loads(sys.stdin.buffer.read()); "
-        "from hyperfsdp_core._module import fsdp_class; import union_mixins, torch; "
+        "from hyperfsdp_core.module import fsdp_class; import union_mixins, torch; "
         "same = cls is fsdp_class(torch.nn.Linear, (union_mixins.Marker, union_mixins.Sizer)); "
         "print(cls.__name__, [c.__name__ for c in cls.__mro__[1:4]], same)"
     )

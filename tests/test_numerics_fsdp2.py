@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hyperfsdp_core._divide import gradient_divisors
+from hyperfsdp_core.engine.divide import gradient_divisors
 from hyperfsdp_core.testing import shared_memory
 from hyperfsdp_core.testing.reference import Transformer, lm_loss, token_batch
 

@@ -325,7 +325,7 @@ def torch_sees_fsdp():
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     from hyperfsdp_core import FSDPModule, fully_shard
-    from hyperfsdp_core._pipelining import StageReduceView
+    from hyperfsdp_core.engine.pipelining import StageReduceView
 
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     fully_shard(model[0])

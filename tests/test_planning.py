@@ -7,8 +7,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from hyperfsdp_core import MixedPrecisionPolicy, fully_shard
-from hyperfsdp_core._planning import estimate, plan_units
 from hyperfsdp_core.cli import main
+from hyperfsdp_core.cli.plan import estimate, plan_units
 from hyperfsdp_core.testing.reference import Transformer, lm_loss, local_slice, token_batch
 
 FACTORY = "hyperfsdp_core.testing.reference:Transformer"  # vocab 37, hidden 27: uneven

@@ -14,21 +14,21 @@ import warnings
 
 import pytest
 
-from hyperfsdp_core import _plugins as plugins
 from hyperfsdp_core import hookimpl
-from hyperfsdp_core._plugins import (
+from hyperfsdp_core.cli import main
+from hyperfsdp_core.plugin import manager as plugins
+from hyperfsdp_core.plugin import versions
+from hyperfsdp_core.plugin.manager import (
     BUILTIN_PLUGINS,
     DISABLE_AUTOLOAD_ENV,
     PLUGINS_DISABLE_ENV,
-    Phase,
-    PhaseOrderError,
     PluginInfo,
     PluginSelectionError,
     PluginSelectionWarning,
     build_plugin_manager,
     get_plugin_manager,
 )
-from hyperfsdp_core.cli import main
+from hyperfsdp_core.plugin.phases import Phase, PhaseOrderError
 
 STEPS = 3
 LR = 0.1
@@ -199,7 +199,7 @@ def test_disabling_a_broken_plugin_gets_the_process_going(site, monkeypatch):
         site, "hyperfsdp-fake-broken", {"fake_broken": "hyperfsdp_fake_broken"},
         {"hyperfsdp_fake_broken": BROKEN_PLUGIN},
     )  # fmt: skip
-    with pytest.raises(plugins.PluginLoadError) as info:
+    with pytest.raises(versions.PluginLoadError) as info:
         build_plugin_manager()
     assert f"{PLUGINS_DISABLE_ENV}=fake_broken" in str(info.value)  # the error says how
     monkeypatch.setenv(PLUGINS_DISABLE_ENV, "fake_broken")

@@ -11,21 +11,19 @@ import types
 import pluggy
 import pytest
 
-from hyperfsdp_core import _plugins as plugins
 from hyperfsdp_core import hookimpl
-from hyperfsdp_core._plugins import (
+from hyperfsdp_core.plugin import manager as plugins
+from hyperfsdp_core.plugin import versions
+from hyperfsdp_core.plugin.manager import (
     BUILTIN_PLUGINS,
     DISABLE_AUTOLOAD_ENV,
-    FIRST_PHASE,
     HyperFSDPPluginManager,
-    Phase,
-    PhaseOrderError,
     PluginInfo,
-    PluginLoadError,
     build_plugin_manager,
     get_plugin_manager,
-    order_phases,
 )
+from hyperfsdp_core.plugin.phases import FIRST_PHASE, Phase, PhaseOrderError, order_phases
+from hyperfsdp_core.plugin.versions import PluginLoadError
 
 
 def _noop(ctx) -> None:
@@ -462,7 +460,7 @@ def test_entry_point_already_registered_by_name_is_not_loaded_twice(site, monkey
         {"hyperfsdp_fake_good": GOOD_PLUGIN},
     )
     pm = build_plugin_manager()
-    assert pm.get_plugin("hyperfsdp.core").__name__ == "hyperfsdp_core._builtin.core"
+    assert pm.get_plugin("hyperfsdp.core").__name__ == "hyperfsdp_core.plugin.builtin.core"
     assert "hyperfsdp_fake_good" not in sys.modules
 
 
@@ -576,14 +574,14 @@ def test_unregistering_an_entry_point_plugin_forgets_its_distribution(site):
     ],
 )
 def test_supports_api_against_version_1_0(spec, ok):
-    assert plugins.API_VERSION == (1, 0)
-    assert plugins.supports_api(spec) is ok
+    assert versions.API_VERSION == (1, 0)
+    assert versions.supports_api(spec) is ok
 
 
 @pytest.mark.parametrize("spec", ["", "1.0", ">=one", "~=1.0", ">=1.0;<2"])
 def test_malformed_api_range_is_rejected(pm, spec):
     plugin = types.SimpleNamespace(HYPERFSDP_API=spec)
-    with pytest.raises(plugins.PluginVersionError, match="'odd'"):
+    with pytest.raises(versions.PluginVersionError, match="'odd'"):
         pm.register(plugin, name="odd")
     assert pm.get_plugin("odd") is None
 
@@ -596,7 +594,7 @@ def test_runtime_plugin_with_an_unsupported_range_is_refused(pm):
         def hyperfsdp_validate_unit(self, unit):
             return None
 
-    with pytest.raises(plugins.PluginVersionError) as info:
+    with pytest.raises(versions.PluginVersionError) as info:
         pm.register(Future(), name="future")
     assert str(info.value) == (
         "hyperfsdp plugin 'future' supports plugin API >=2.0,<3, but hyperfsdp's plugin API "
@@ -633,7 +631,7 @@ def test_entry_point_plugin_for_another_api_fails_at_load_naming_it(site):
         {"fake_old": "hyperfsdp_fake_old"},
         {"hyperfsdp_fake_old": OLD_PLUGIN},
     )
-    with pytest.raises(plugins.PluginVersionError) as info:
+    with pytest.raises(versions.PluginVersionError) as info:
         build_plugin_manager()
     assert str(info.value) == (
         "hyperfsdp plugin 'fake_old' from distribution 'hyperfsdp-fake-old' 0.0.9 supports "
@@ -651,7 +649,9 @@ def test_entry_point_plugin_must_declare_its_api_range(site):
         {"fake_undeclared": "hyperfsdp_fake_undeclared"},
         {"hyperfsdp_fake_undeclared": UNDECLARED_PLUGIN},
     )
-    with pytest.raises(plugins.PluginVersionError, match="does not declare the plugin API") as info:
+    with pytest.raises(
+        versions.PluginVersionError, match="does not declare the plugin API"
+    ) as info:
         build_plugin_manager()
     assert "HYPERFSDP_API = '>=1.0,<2'" in str(info.value)
 
@@ -661,5 +661,5 @@ def test_installed_plugins_declare_a_range_this_core_supports():
     for name, plugin in pm.list_name_plugin():
         if name in dict(BUILTIN_PLUGINS):
             continue
-        spec = getattr(plugin, plugins.API_ATTRIBUTE)
-        assert plugins.supports_api(spec), name
+        spec = getattr(plugin, versions.API_ATTRIBUTE)
+        assert versions.supports_api(spec), name

@@ -2,7 +2,7 @@
 
 Every Python file of a plugin (:data:`PLUGIN_SOURCES`: the distributions under
 ``plugins/*/`` and ``examples/*/``, sources and tests, and the core's own built-in plugins in
-``hyperfsdp_core/_builtin/``) may import from ``hyperfsdp_core`` only names in
+``hyperfsdp_core/plugin/builtin/``) may import from ``hyperfsdp_core`` only names in
 ``hyperfsdp_core.__all__``, the module ``hyperfsdp_core.plugin`` (names in its ``__all__``)
 and ``hyperfsdp_core.testing``; it may not touch the engine's private attributes
 (``module._hyperfsdp_state``, a view's ``_hyperfsdp_*`` slot, or any ``_name`` the core
@@ -38,7 +38,7 @@ PUBLIC_MODULES = {
 PLUGIN_SOURCES = {
     "plugins/*/**/*.py": None,
     "examples/*/**/*.py": None,
-    "hyperfsdp_core/_builtin/**/*.py": "hyperfsdp_core._builtin",
+    "hyperfsdp_core/plugin/builtin/**/*.py": "hyperfsdp_core.plugin.builtin",
 }
 #: Places that must hold files to check (a glob that silently matches nothing checks nothing).
 EXPECTED_PLUGINS = {
@@ -46,7 +46,7 @@ EXPECTED_PLUGINS = {
     "plugins/qcomm",
     "plugins/shm",
     "examples/commlog",
-    "hyperfsdp_core/_builtin",
+    "hyperfsdp_core/plugin",
 }
 PLUGIN_FILES = sorted(
     (p, package)
@@ -223,29 +223,31 @@ def f(model, unit, red):
 
 def test_the_checker_resolves_a_builtin_plugins_relative_imports():
     source = """
-from ..plugin import Phase, hookimpl
-from ..plugin import _CLAUSE
-from .. import fully_shard, _views
-from .._context import RootContext
+from .. import Phase, hookimpl
+from .. import _CLAUSE
+from ... import fully_shard, _views
+from ...engine.root import RootContext
 from . import mixed_precision
 from .core import _drain
 from ._helpers import helper
+from ..views import UnitView
 
 def f(root):
     root._hyperfsdp_ctx.drain_reductions()
 """
-    assert violations(source, package="hyperfsdp_core._builtin") == [
+    assert violations(source, package="hyperfsdp_core.plugin.builtin") == [
         "3: imports private name hyperfsdp_core.plugin._CLAUSE",
         "4: imports private name hyperfsdp_core._views",
-        "5: imports private module hyperfsdp_core._context",
-        "11: accesses core-private attribute ._hyperfsdp_ctx",
+        "5: imports private module hyperfsdp_core.engine.root",
+        "9: imports private module hyperfsdp_core.plugin.views",
+        "12: accesses core-private attribute ._hyperfsdp_ctx",
     ]
     # a sub-package of a plugin reaches its plugin's modules, not the core's
     assert violations(
-        "from ..core import _drain\nfrom ...plugin import hookimpl\nfrom ... import _state\n",
-        package="hyperfsdp_core._builtin.sub",
-        plugin_package="hyperfsdp_core._builtin",
-    ) == ["3: imports private name hyperfsdp_core._state"]
+        "from ..core import _drain\nfrom ... import hookimpl\nfrom ....engine import state\n",
+        package="hyperfsdp_core.plugin.builtin.sub",
+        plugin_package="hyperfsdp_core.plugin.builtin",
+    ) == ["3: imports private module hyperfsdp_core.engine"]
     # outside the core (a plugin distribution) relative imports stay within the plugin
     assert violations("from .._state import x\n") == []
 
@@ -306,7 +308,7 @@ def test_hookspec_signatures_name_only_public_types():
         "RootContext",
         "Comm",
     }
-    text = (ROOT / "hyperfsdp_core" / "hookspecs.py").read_text()
+    text = (ROOT / "hyperfsdp_core" / "plugin" / "hookspecs.py").read_text()
     body = text.split("hookspec = pluggy.HookspecMarker", 1)[1]
     used = {t for t in private_types if re.search(rf"\b{t}\b", body)}  # not CommDebugMode
     assert used == set()

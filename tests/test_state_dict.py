@@ -8,7 +8,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from hyperfsdp_core import fully_shard
-from hyperfsdp_core.testing.reference import MLPStack, Transformer, assert_close_params, mlp_batch
+from hyperfsdp_core.testing.reference import (
+    MLPStack,
+    Transformer,
+    assert_close_params,
+    mlp_batch,
+)
 
 
 def shard(model):

@@ -47,7 +47,7 @@ def train_on_simulator(
     - ``"early_event"``: a user error, the event recorded *before* the optimizer step;
     - ``"no_release"``: as ``"event"``, with ``Comm.release_gathered`` doing nothing.
     """
-    from hyperfsdp_core import _collectives
+    from hyperfsdp_core.comm import collectives as _collectives
 
     release = _collectives.Comm.release_gathered
     if mode == "no_release":

@@ -489,7 +489,7 @@ class _Logged:
 
 
 def hsdp_order():
-    from hyperfsdp_core import _collectives as coll
+    from hyperfsdp_core.comm import collectives as coll
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     model, ref = pair(n_layers=3)

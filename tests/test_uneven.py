@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from hyperfsdp_core import fully_shard
-from hyperfsdp_core._param import StorageOwner
+from hyperfsdp_core.engine.param import StorageOwner
 from hyperfsdp_core.testing.reference import train_parity
 
 

@@ -35,7 +35,7 @@ import os, sys, time, atexit, torch, torch.distributed as dist
 if {drain}:
     import hyperfsdp_core
 if {no_drain}:
-    import hyperfsdp_core._exit as _e
+    import hyperfsdp_core.comm.exit as _e
     atexit.unregister(_e.drain_native_threads)
 dist.init_process_group("gloo")
 """

@@ -39,7 +39,7 @@ __all__ = [
 def registered(plugin: object, name: str) -> Iterator[object]:
     """Register ``plugin`` in the process-wide plugin manager under ``name`` for the
     ``with`` block (unregistered in ``finally``); yields the manager."""
-    from .._plugins import get_plugin_manager
+    from ..plugin.manager import get_plugin_manager
 
     pm = get_plugin_manager()
     pm.register(plugin, name=name)

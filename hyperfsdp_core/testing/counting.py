@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from .. import _collectives as _coll
+from ..comm import collectives as _coll
 
 #: the core's issue points and the kind each counts as: whichever transport then carries
 #: the collective (torch.distributed's own, a plugin's such as ``hyperfsdp-shm``'s shared

@@ -125,7 +125,7 @@ def _reset_process_state(torch) -> None:
     gc.collect()
     torch.manual_seed(0)
     torch.set_default_dtype(torch.float32)
-    from hyperfsdp_core._plugins import reset_plugin_manager
+    from hyperfsdp_core.plugin.manager import reset_plugin_manager
 
     reset_plugin_manager()
 
@@ -136,7 +136,7 @@ def _reset_process_state(torch) -> None:
 def _plugin_selection() -> dict[str, str | None]:
     """The driver's plugin-selection variables, which each rank applies for the call (the
     ranks' plugin manager is rebuilt from them), as the driver's own manager would."""
-    from hyperfsdp_core._plugins import DISABLE_AUTOLOAD_ENV, PLUGINS_DISABLE_ENV
+    from hyperfsdp_core.plugin.manager import DISABLE_AUTOLOAD_ENV, PLUGINS_DISABLE_ENV
 
     return {key: os.environ.get(key) for key in (DISABLE_AUTOLOAD_ENV, PLUGINS_DISABLE_ENV)}
 

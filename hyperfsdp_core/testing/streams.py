@@ -304,7 +304,7 @@ def simulated_accelerator() -> Iterator[Simulator]:
     """Every ``Comm`` made in the block runs the accelerator code path on the simulator;
     storage resizes and ``torch.empty`` are tracked as allocations (see module docstring).
     Yields the simulator (``sim.violations``: what went wrong)."""
-    from .. import _collectives
+    from ..comm import collectives as _collectives
 
     sim = Simulator()
     comm_init = _collectives.Comm.__init__

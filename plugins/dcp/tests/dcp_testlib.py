@@ -21,7 +21,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from hyperfsdp_core import FSDPModule, fully_shard, get_plugin_manager, hookimpl
-from hyperfsdp_core.testing.reference import MLPStack, Transformer, full, lm_loss, token_batch
+from hyperfsdp_core.testing.reference import (
+    MLPStack,
+    Transformer,
+    full,
+    lm_loss,
+    token_batch,
+)
 
 # Uneven on purpose: at world 4, 3 rows shard as 1/1/1/0 and 2 rows as 1/1/0/0.
 MLP_DIMS = [5, 7, 3, 6, 2]

@@ -21,7 +21,7 @@ import attrs
 import torch
 from torch import nn
 
-from ._layout import ShardLayout
+from ..engine.layout import ShardLayout
 
 #: optimizer -> (state tensors per parameter, each the parameter's shape and dtype)
 OPTIMIZER_STATE = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0, "none": 0}

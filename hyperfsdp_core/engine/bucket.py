@@ -1,16 +1,5 @@
-"""Buckets (one all-gather and one reduce-scatter each) and the per-unit ParamGroup.
-
-A unit's parameters are bucketed by data-parallel topology and dtypes. Each bucket
-owns three flat buffers:
-
-* ``sharded_flat`` (original dtype): every member's padded shard back to back; the
-  members' DTensor local tensors are views of it, so it *is* the all-gather input
-  (no copy-in unless a cast is needed);
-* ``unsharded_flat`` (compute dtype, param-major, ``world * total``): the members'
-  unsharded parameters alias it; its storage is freed (resized to 0) on reshard and
-  re-allocated on unshard, so autograd's saved references stay valid;
-* a reduce-scatter pack (reduce dtype, rank-major), borrowed per step from a pool.
-"""
+"""One bucket: the members of a unit that share topology and dtypes, one flat sharded
+buffer, one all-gather and one reduce-scatter (see ``unit_params`` for the unit)."""
 
 from __future__ import annotations
 
@@ -18,28 +7,17 @@ import enum
 import math
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _held
-from ._buffers import alias, alloc, free, standalone
-from ._collectives import Comm, Handle, Transport, compose_transport
-from ._layout import pack_segments
-from ._mesh_info import MeshInfo
-from ._param import HSDPParam, StorageOwner
-from ._post_forward import PostForward
-from ._reduction import READY, Reduction, reduce_bucket
-
-if TYPE_CHECKING:
-    from ._records import ShardedStorage
-    from ._views import UnitView
-
-
-def _never() -> bool:
-    return False
+from ..comm.collectives import READY, Comm, Handle, Transport
+from .buffers import alias, alloc, free, standalone
+from .layout import pack_segments
+from .mesh_info import MeshInfo
+from .param import ShardedParam, StorageOwner
+from .post_forward import PostForward
 
 
 class ShardedState(enum.Enum):
@@ -56,11 +34,12 @@ def _copy_in(src: torch.Tensor, dest: torch.Tensor) -> None:
 class Bucket:
     """Parameters that share topology and dtypes: one all-gather, one reduce-scatter."""
 
-    def __init__(self, params: list[HSDPParam], device: torch.device) -> None:
+    def __init__(self, params: list[ShardedParam], device: torch.device) -> None:
         first = params[0]
         self.params = params
         self.compute_device = device  # where the unsharded parameters and collectives live
-        self.unit: UnitView | None = None
+        self.unit = None  # the unit's view (an opaque handle for reductions)
+        self.mp_policy = None  # the unit's MixedPrecisionPolicy (the extension's pre-gather)
         self.unit_fqn: str | None = None
         # hyperfsdp_all_gather_input: fn(sharded_flat, dest) writes the all-gather input
         self.fill_input: Callable[[torch.Tensor, torch.Tensor], None] | None = None
@@ -91,7 +70,7 @@ class Bucket:
             self.segments,
             [p.layout for p in params],
         )
-        # what carries this bucket's collectives (``ParamGroup.apply_settings``: the
+        # what carries this bucket's collectives (``UnitParams.apply_settings``: the
         # unit's FSDP2-style comm objects over its plugin transport), None: the root's
         # default; and an optional separate process group for reduce-scatters
         self.transport: Transport | None = None
@@ -121,7 +100,7 @@ class Bucket:
         self._pf_ready = None
 
     @staticmethod
-    def key(p: HSDPParam) -> tuple:
+    def key(p: ShardedParam) -> tuple:
         return (p.mesh_info, p.orig_dtype, p.param_dtype, p.reduce_dtype, p.extension)
 
     @property
@@ -485,7 +464,13 @@ class Bucket:
             return
         pf = self._pf
         if pf is None:
-            pf = self._pf = PostForward(self, info)
+            pf = self._pf = PostForward(
+                self.params,
+                info,
+                gathered_numel=self.world * self.total,
+                dtype=self.param_dtype,
+                device=self.device,
+            )
         alloc(pf.flat)
         for p, lay, seg in zip(self.params, pf.layouts, pf.segments):
             if lay.actual_len:
@@ -530,165 +515,3 @@ class Bucket:
     def keep_grads(self) -> None:
         for p in self.params:
             p.keep_unsharded_grad()
-
-
-class ParamGroup:
-    """All managed parameters of one ``fully_shard`` call, in buckets.
-
-    Unit-level settings (divide factor, post-forward group size, all-reduce hook) live
-    here and are applied to every bucket, also when the buckets are rebuilt.
-    """
-
-    def __init__(
-        self, params: list[HSDPParam], device: torch.device, storage: ShardedStorage | None = None
-    ) -> None:
-        self.params = params
-        self.device = device
-        self.storage = storage  # from hyperfsdp_sharded_storage; None: on `device`
-        self.unit: UnitView | None = None
-        self.fill_input: Callable[[torch.Tensor, torch.Tensor], None] | None = None
-        self.divide_factor: float | None = None
-        self.post_forward_size: int | None = None
-        # unsharded memory held past the unit's hooks (see ``hold``), and whether the
-        # unit's root is in a backward now (set at lazy init)
-        self.held = False
-        self.backward_active: Callable[[], bool] = _never
-        self.custom_all_gather = None
-        self.custom_reduce_scatter = None
-        #: the plugin's ``hyperfsdp_transport`` for this unit, asked at lazy init
-        #: (``ask_transport``) the next time the settings are applied
-        self.plugin_transport: Transport | None = None
-        self._transport_question: Callable[[], Transport | None] | None = None
-        self.separate_reduce_group = False
-        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
-        self.rebucket()
-
-    def rebucket(self) -> None:
-        """(Re)group the parameters by topology and dtypes (after dtype changes, too)."""
-        from ._subclass_gather import ExtensionBucket
-
-        by_key: dict[tuple, list[HSDPParam]] = {}
-        for p in self.params:
-            by_key.setdefault(Bucket.key(p), []).append(p)
-        self.buckets = [
-            (ExtensionBucket if members[0].extension else Bucket)(members, self.device)
-            for members in by_key.values()
-        ]
-        self.apply_settings()
-
-    def ask_transport(self, question: Callable[[], Transport | None]) -> None:
-        """Lazy init: ``question()`` gives the unit's plugin transport (asked once, by the
-        next :meth:`apply_settings`, when the unit's fqn is known)."""
-        self._transport_question = question
-
-    def apply_settings(self) -> None:
-        from ._mesh_info import post_forward_mesh_info, separate_group
-
-        if self._transport_question is not None:
-            question, self._transport_question = self._transport_question, None
-            self.plugin_transport = question()
-        transport = compose_transport(
-            self.custom_all_gather, self.custom_reduce_scatter, self.plugin_transport
-        )
-        for b in self.buckets:
-            b.unit = self.unit
-            b.unit_fqn = self.unit.fqn if self.unit is not None else None
-            b.fill_input = self.fill_input
-            b.refresh_copy_in()
-            if self.divide_factor is not None:
-                b.divide_factor = self.divide_factor
-            b.all_reduce_hook = self.all_reduce_hook
-            b.custom_all_gather = self.custom_all_gather
-            b.transport = transport
-            b.pf_transport = self.plugin_transport
-            b.reduce_group = (
-                separate_group(b.mesh_info)
-                if self.separate_reduce_group and b.needs_all_gather
-                else None
-            )
-            if self.post_forward_size is not None and b.needs_all_gather:
-                info = post_forward_mesh_info(b.mesh_info, self.post_forward_size)
-                if info is not b.post_forward:
-                    b.post_forward, b._pf = info, None
-
-    def build_sharded(self, locals_by_param: dict[int, torch.Tensor], device: torch.device) -> None:
-        """(Re)build every bucket's storage on ``device`` (meta), else where the
-        storage policy says (pinned host memory under offload), else on ``device``."""
-        pin = False
-        if device.type != "meta" and self.storage is not None:
-            device, pin = self.storage.device, self.storage.pin_memory
-        for b in self.buckets:
-            b.build_sharded([locals_by_param[id(p)] for p in b.params], device, pin)
-
-    def init_unsharded(self) -> None:
-        for b in self.buckets:
-            b.init_unsharded()
-
-    @property
-    def is_unsharded(self) -> bool:
-        return all(b.is_unsharded for b in self.buckets)
-
-    @property
-    def is_sharded(self) -> bool:
-        return all(b.state is ShardedState.SHARDED and b.pending is None for b in self.buckets)
-
-    def hold(self) -> None:
-        """The unsharded parameters (or the post-forward shard) stay held past the unit's
-        hooks: an optimizer step that updates them reshards first (see ``_held``)."""
-        if not self.held and (self.is_unsharded or self.holds_post_forward_shard):
-            self.held = True
-            _held.hold(self)
-
-    @property
-    def holds_post_forward_shard(self) -> bool:
-        return any(b._post_forward_shard is not None for b in self.buckets)
-
-    # -- the _held.Holdable protocol --
-    def held_param_ids(self) -> set[int]:
-        return {id(p.sharded_param) for p in self.params}
-
-    def drop_held(self) -> None:
-        self.reshard()
-
-    def in_backward(self) -> bool:
-        return self.backward_active()
-
-    @property
-    def has_pending(self) -> bool:
-        return any(b.pending is not None for b in self.buckets)
-
-    def prefetch_overlaps(self, comm: Comm) -> bool:
-        """Whether an unshard issued ahead of time overlaps communication with compute
-        (some bucket's gather runs asynchronously, see :meth:`Bucket.gathers_in_line`)."""
-        return not all(b.gathers_in_line(comm) for b in self.buckets)
-
-    def unshard(self, comm: Comm) -> None:
-        for b in self.buckets:
-            b.start_unshard(comm)
-
-    def wait_for_unshard(self, comm: Comm) -> None:
-        for b in self.buckets:
-            b.finish_unshard(comm)
-
-    def reshard(self) -> None:
-        if self.held:
-            self.held = False
-            _held.release(self)
-        for b in self.buckets:
-            b.reshard()
-
-    def reshard_post_forward(self) -> None:
-        for b in self.buckets:
-            b.reshard_post_forward()
-
-    def reduce(self, comm: Comm, *, include_unused: bool) -> list[Reduction]:
-        out = []
-        for b in self.buckets:
-            red = reduce_bucket(b, comm, include_unused=include_unused)
-            if red is not None:
-                out.append(red)
-        return out
-
-    def keep_grads(self) -> None:
-        for b in self.buckets:
-            b.keep_grads()

@@ -7,7 +7,7 @@ versions it supports in its module (``HYPERFSDP_API = ">=1.0,<2"``) and the core
 refuses to load it on a mismatch.
 
 - Hooks: :data:`hookimpl` marks implementations of the hooks in
-  :mod:`hyperfsdp_core.hookspecs` (documented in ``docs/plugin_hooks.md``).
+  :mod:`hyperfsdp_core.plugin.hookspecs` (documented in ``docs/plugin_hooks.md``).
 - Finalization: :class:`Phase` declares a step of the root's end-of-backward pipeline;
   :data:`FIRST_PHASE` is the core's reduce-scatter drain.
 - Views (read-only): :class:`UnitSpec` (a ``fully_shard`` call, at init),
@@ -28,8 +28,9 @@ refuses to load it on a mismatch.
   ``all_reduce_divisor``).
 """
 
-from ._collectives import PluginComm, Transport, Work
-from ._mesh_info import (
+from ..comm.collectives import PluginComm, Transport, Work
+from ..comm.records import CollectiveEvent
+from ..engine.mesh_info import (
     MeshInfo,
     ProcessGroupCache,
     ddp_mesh_info,
@@ -37,25 +38,15 @@ from ._mesh_info import (
     hsdp_mesh_info,
     mesh_device,
 )
-from ._param import placements_for
-from ._plugins import (
-    API_ATTRIBUTE,
-    API_VERSION,
-    FIRST_PHASE,
-    Phase,
-    PhaseOrderError,
-    PluginLoadError,
-    PluginVersionError,
-    build_plugin_manager,
-    get_plugin_manager,
-    hookimpl,
-    supports_api,
-)
-from ._records import CollectiveEvent, ParamLayout, ShardedStorage
-from ._reduction import Reduction
-from ._stash import Stash, StashKey
-from ._unit import UnitSpec
-from ._views import ParamView, RootView, UnitView, unit_of
+from ..engine.param import placements_for
+from ..engine.records import ParamLayout, ShardedStorage
+from ..engine.reduction import Reduction
+from ..engine.spec import UnitSpec
+from ..engine.stash import Stash, StashKey
+from .manager import build_plugin_manager, get_plugin_manager, hookimpl
+from .phases import FIRST_PHASE, Phase, PhaseOrderError
+from .versions import API_ATTRIBUTE, API_VERSION, PluginLoadError, PluginVersionError, supports_api
+from .views import ParamView, RootView, UnitView, unit_of
 
 __all__ = [
     "API_ATTRIBUTE",

@@ -108,7 +108,7 @@ def _rank_main(steps: int, layers: int, dim: int, tied: bool, atol: float) -> di
 
 
 def run(args: argparse.Namespace) -> int:
-    from .testing.pool import close_pools, run_on_ranks
+    from ..testing.pool import close_pools, run_on_ranks
 
     print(
         f"hyperfsdp demo: {args.world_size} CPU ranks (gloo), {args.layers} blocks, width {args.dim}, "

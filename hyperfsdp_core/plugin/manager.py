@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
-import heapq
 import importlib
 import importlib.metadata
-import itertools
 import os
 import re
 import threading
 import warnings
-from collections.abc import Callable, Iterable
-from graphlib import CycleError, TopologicalSorter
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
 import pluggy
 
 from . import hookspecs
+from .phases import Phase, PhaseOrderError, order_phases
+from .versions import (
+    PluginLoadError,
+    check_api,
+)
 
 PROJECT_NAME = "hyperfsdp"
 ENTRY_POINT_GROUP = "hyperfsdp"
@@ -27,61 +29,10 @@ DISABLE_AUTOLOAD_ENV = "HYPERFSDP_DISABLE_PLUGIN_AUTOLOAD"
 PLUGINS_DISABLE_ENV = "HYPERFSDP_PLUGINS_DISABLE"
 #: Plugins that ship with the core, registered before any entry point: (name, module).
 BUILTIN_PLUGINS = (
-    ("hyperfsdp.core", "hyperfsdp_core._builtin.core"),
-    ("hyperfsdp.mixed_precision", "hyperfsdp_core._builtin.mixed_precision"),
+    ("hyperfsdp.core", "hyperfsdp_core.plugin.builtin.core"),
+    ("hyperfsdp.mixed_precision", "hyperfsdp_core.plugin.builtin.mixed_precision"),
 )
-#: The plugin API version this core implements. Minor versions add hooks and fields;
-#: a major version changes or removes something plugins may rely on.
-API_VERSION = (1, 0)
-#: Module attribute in which a plugin declares the API versions it supports.
-API_ATTRIBUTE = "HYPERFSDP_API"
-#: The core's own phase; every other phase runs after it.
-FIRST_PHASE = "core.reduce_scatter_drain"
-
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
-
-
-def _names(value: Iterable[str]) -> tuple[str, ...]:
-    if isinstance(value, str):
-        return (value,)
-    return tuple(value)
-
-
-@attrs.frozen
-class Phase:
-    """One finalization step, declared as data by a plugin.
-
-    ``run(root)`` is called with the root's :class:`~hyperfsdp_core.plugin.RootView`
-    at the end of every backward. ``after``/``before`` name phases that must exist;
-    ``after_if_present``/``before_if_present`` order against phases of plugins that
-    may not be installed.
-    """
-
-    name: str = attrs.field(validator=attrs.validators.instance_of(str))
-    run: Callable[[Any], None] = attrs.field(eq=False)
-    after: tuple[str, ...] = attrs.field(default=(), converter=_names)
-    before: tuple[str, ...] = attrs.field(default=(), converter=_names)
-    after_if_present: tuple[str, ...] = attrs.field(default=(), converter=_names)
-    before_if_present: tuple[str, ...] = attrs.field(default=(), converter=_names)
-
-
-class PluginLoadError(ImportError):
-    """A plugin distribution's entry point could not be imported."""
-
-
-class PluginVersionError(PluginLoadError):
-    """A plugin does not support this core's plugin API version."""
-
-
-class PhaseOrderError(ValueError):
-    """The declared finalization phases cannot be ordered.
-
-    ``plugins`` names the plugins involved (the owners of the phases in a cycle, say).
-    """
-
-    def __init__(self, message: str, *, plugins: Iterable[str] = ()) -> None:
-        super().__init__(message)
-        self.plugins: tuple[str, ...] = tuple(dict.fromkeys(plugins))
 
 
 class PluginSelectionError(ValueError):
@@ -90,74 +41,6 @@ class PluginSelectionError(ValueError):
 
 class PluginSelectionWarning(UserWarning):
     """A plugin asked to be disabled is not installed (a typo?)."""
-
-
-_CLAUSE = re.compile(r"^\s*(>=|<=|==|!=|>|<)\s*(\d+(?:\.\d+)*)\s*$")
-_COMPARE = {
-    ">=": lambda a, b: a >= b,
-    "<=": lambda a, b: a <= b,
-    "==": lambda a, b: a == b,
-    "!=": lambda a, b: a != b,
-    ">": lambda a, b: a > b,
-    "<": lambda a, b: a < b,
-}
-
-
-def _pad(version: tuple[int, ...], width: int) -> tuple[int, ...]:
-    return version + (0,) * (width - len(version))
-
-
-def api_version_string() -> str:
-    return ".".join(map(str, API_VERSION))
-
-
-def supports_api(spec: str, version: tuple[int, ...] = API_VERSION) -> bool:
-    """Whether ``version`` satisfies ``spec``: comma-separated clauses such as
-    ``">=1.0,<2"`` (operators ``>= <= == != > <``; missing parts count as 0).
-
-    :raises ValueError: for a malformed spec.
-    """
-    clauses = [c for c in spec.split(",") if c.strip()]
-    if not clauses:
-        raise ValueError(f"empty plugin API range {spec!r}")
-    for clause in clauses:
-        match = _CLAUSE.match(clause)
-        if match is None:
-            raise ValueError(
-                f"malformed plugin API range {spec!r}: expected clauses like '>=1.0' or '<2' "
-                "separated by commas"
-            )
-        op, text = match.groups()
-        wanted = tuple(int(x) for x in text.split("."))
-        width = max(len(version), len(wanted))
-        if not _COMPARE[op](_pad(version, width), _pad(wanted, width)):
-            return False
-    return True
-
-
-def check_api(plugin: object, name: str | None, *, required: bool, origin: str = "") -> None:
-    """Raise :class:`PluginVersionError` unless ``plugin`` supports this core's plugin API."""
-    spec = getattr(plugin, API_ATTRIBUTE, None)
-    where = f" from {origin}" if origin else ""
-    core = f"hyperfsdp's plugin API is {api_version_string()}"
-    if spec is None:
-        if required:
-            raise PluginVersionError(
-                f"hyperfsdp plugin {name!r}{where} does not declare the plugin API versions it "
-                f"supports; {core}. Its module must set {API_ATTRIBUTE} = '>=1.0,<2' (the range "
-                "it was written for), or uninstall it"
-            )
-        return
-    try:
-        ok = supports_api(str(spec))
-    except ValueError as exc:
-        raise PluginVersionError(f"hyperfsdp plugin {name!r}{where}: {exc}") from None
-    if not ok:
-        raise PluginVersionError(
-            f"hyperfsdp plugin {name!r}{where} supports plugin API {spec}, but {core}. "
-            "Install a version of the plugin made for this hyperfsdp, or a hyperfsdp whose "
-            "plugin API it supports"
-        )
 
 
 @attrs.frozen
@@ -328,69 +211,6 @@ class HyperFSDPPluginManager(pluggy.PluginManager):
             f". Installed plugins involved: {listing}. To run without {which}, set "
             f"{choices} (or uninstall it), and report the conflict to the plugins' authors"
         )
-
-
-def order_phases(phases: dict[str, Phase], owners: dict[str, str]) -> tuple[Phase, ...]:
-    """Topologically order ``phases``; ties go to the smaller name.
-
-    :raises PhaseOrderError: on a cycle, an unknown name, or a phase placed before
-        the core's first phase; the message names the plugins involved.
-    """
-    graph: dict[str, set[str]] = {name: set() for name in phases}
-    #: (earlier, later) -> the declaration that orders them, for cycle reports
-    why: dict[tuple[str, str], str] = {}
-    for name, phase in phases.items():
-        for ref in phase.after + phase.before:
-            if ref not in phases:
-                raise PhaseOrderError(
-                    f"phase {name!r} of plugin {owners[name]!r} refers to unknown phase "
-                    f"{ref!r}; known phases: {sorted(phases)}. Install the plugin that "
-                    "declares it, or use after_if_present=/before_if_present=",
-                    plugins=[owners[name]],
-                )
-        for field in ("after", "after_if_present"):
-            for ref in getattr(phase, field):
-                if ref in phases:
-                    graph[name].add(ref)
-                    why.setdefault((ref, name), f"{name!r} declares {field}={ref!r}")
-        for field in ("before", "before_if_present"):
-            for ref in getattr(phase, field):
-                if ref not in phases:
-                    continue
-                if ref == FIRST_PHASE:
-                    raise PhaseOrderError(
-                        f"phase {name!r} of plugin {owners[name]!r} asks to run before "
-                        f"{FIRST_PHASE!r}, which always runs first",
-                        plugins=[owners[name]],
-                    )
-                graph[ref].add(name)
-                why.setdefault((name, ref), f"{name!r} declares {field}={ref!r}")
-        if FIRST_PHASE in phases and name != FIRST_PHASE:
-            graph[name].add(FIRST_PHASE)
-    sorter = TopologicalSorter(graph)
-    try:
-        sorter.prepare()
-    except CycleError as exc:
-        cycle = exc.args[1]  # each phase must run before the next; the last is the first
-        chain = " -> ".join(f"{n!r} ({owners.get(n, '?')})" for n in cycle)
-        reasons = "; ".join(
-            why.get((a, b), f"{b!r} runs after {a!r}") for a, b in itertools.pairwise(cycle)
-        )
-        raise PhaseOrderError(
-            f"finalization phases form a cycle: {chain}, where each phase must run before "
-            f"the next ({reasons})",
-            plugins=[owners.get(n, "?") for n in cycle],
-        ) from None
-    ready: list[str] = list(sorter.get_ready())
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        name = heapq.heappop(ready)
-        order.append(phases[name])
-        sorter.done(name)
-        for nxt in sorter.get_ready():
-            heapq.heappush(ready, nxt)
-    return tuple(order)
 
 
 def _version(dist: str) -> str:

@@ -8,7 +8,7 @@ import attrs
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._layout import contiguous_strides
+from .layout import contiguous_strides
 
 
 def _shape(value) -> tuple[int, ...]:
@@ -61,21 +61,3 @@ class ShardedStorage:
 
     device: torch.device = attrs.field(converter=torch.device)
     pin_memory: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
-
-
-@attrs.frozen
-class CollectiveEvent:
-    """One collective issued by the core (or through the plugin communication facade).
-
-    ``kind``: ``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"`` or ``"broadcast"``.
-    ``group_size``: ranks in the process group. ``nbytes``: bytes of the larger side
-    (the all-gather output, the reduce-scatter input, the all-reduced tensor).
-    ``dtype``: the communicated dtype. ``unit``: FQN of the unit it belongs to (``""``
-    for the root, ``None`` when the caller did not say).
-    """
-
-    kind: str
-    group_size: int
-    nbytes: int
-    dtype: torch.dtype
-    unit: str | None

@@ -1,7 +1,7 @@
 """Per-unit hook state machine: forward/backward hooks, lazy init, root finalization.
 
 States (RFC section 3): ``IDLE -> PRE_FORWARD -> FORWARD -> PRE_BACKWARD -> BACKWARD``.
-Every change goes through :meth:`FSDPState._transition` against :data:`TRANSITIONS`,
+Every change goes through :meth:`UnitState._transition` against :data:`TRANSITIONS`,
 so re-entry (activation-checkpoint recomputation, several outputs, list units)
 is explicit and idempotent rather than scattered over flags.
 """
@@ -16,16 +16,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from ._collectives import Comm
-from ._context import RootContext, finish_reductions
-from ._group import ParamGroup
-from ._pipelining import StageReduceView
-from ._plugins import get_plugin_manager
-from ._stash import Stash
-from ._storage import reset_sharded_params
-from ._torch_private import expose_fsdp2_state
-from ._unit import UnitSpec
-from ._views import UnitView
+from ..comm.collectives import Comm
+from .port import PluginPort
+from .root import RootContext, finish_reductions
+from .spec import UnitSpec
+from .stash import Stash
+from .storage import announce_reset, rebuild_storage
+from .unit_params import UnitParams
 
 
 class TrainingState(enum.Enum):
@@ -76,14 +73,14 @@ TRANSITIONS: dict[str, dict[TrainingState, TrainingState]] = {
     },
 }
 # The root drain (and FSDPModule.reduce_grads() outside a backward) then returns every unit
-# to IDLE from whatever state it finds (``FSDPState._end_unit``).
+# to IDLE from whatever state it finds (``UnitState._end_unit``).
 
 
 class RegisterPostBackward(torch.autograd.Function):
     """Identity on a unit's inputs whose backward runs the unit's post-backward."""
 
     @staticmethod
-    def forward(ctx, state: FSDPState, *inputs: torch.Tensor):  # type: ignore[override]
+    def forward(ctx, state: UnitState, *inputs: torch.Tensor):  # type: ignore[override]
         ctx.state = state
         return inputs
 
@@ -106,24 +103,29 @@ def _grad_tensors(tree: Any) -> tuple[list[Any], Any, list[int]]:
     return leaves, spec, idx
 
 
-class FSDPState:
+class UnitState:
     """One ``fully_shard`` call: its modules, parameter group, hooks and options."""
 
     def __init__(
         self,
         modules: tuple[nn.Module, ...],
-        group: ParamGroup | None,
+        group: UnitParams | None,
         device: torch.device,
         reshard_after_forward: bool | int | None,
+        port: PluginPort,
+        *,
+        mp_policy=None,
+        offload_policy=None,
+        unit_spec: UnitSpec | None = None,
+        unit_fqns: tuple[str, ...] = (),
     ) -> None:
         self.modules = modules
         self.group = group
         self.device = device
-        self.view = UnitView(self)
+        self.port = port  # the plugin layer: views and resolved hooks (``port``)
         self.stash = Stash()  # plugins' per-unit data (UnitView.stash)
         self.param_views = tuple(p.view for p in group.params) if group is not None else ()
-        if group is not None:
-            group.unit = self.view
+        self.view = port.unit_view(self)
         self.ctx: RootContext | None = None
         self.is_root: bool | None = None
         self.fqn = ""
@@ -138,22 +140,22 @@ class FSDPState:
         self.requires_all_reduce = True
         self.reduce_scatter_unused_params = False
         self.unshard_in_backward = True
-        self.forward_prefetch: list[FSDPState] | None = None
-        self.backward_prefetch: list[FSDPState] | None = None
+        self.forward_prefetch: list[UnitState] | None = None
+        self.backward_prefetch: list[UnitState] | None = None
         self.max_reduce_buffers = 1
         # tree-wide settings: the root's values seed its context at lazy init; after it,
         # FSDPModule setters write the context (RootContext.is_last_backward, ...)
         self.is_last_backward = True
         self.post_optim_event = None
-        self.mp_policy = None  # set by fully_shard
-        self.unit_spec: UnitSpec | None = None  # fully_shard's options (no parameters)
-        self.unit_fqns: tuple[str, ...] = ()  # group.params' FQNs relative to the unit
-        self.offload_policy = None
+        self.mp_policy = mp_policy
+        self.unit_spec = unit_spec  # fully_shard's options (no parameters)
+        self.unit_fqns = unit_fqns  # group.params' FQNs relative to the unit
+        self.offload_policy = offload_policy
         self.comm: Comm | None = None  # set at lazy init (or by share_comm_ctx)
         # resolved at lazy init from plugins
-        self.input_transforms: list[Callable] = []
-        self.output_transforms: list[Callable] = []
-        self.reducers: list[Callable] = []
+        self.input_transforms: tuple[Callable, ...] = ()
+        self.output_transforms: tuple[Callable, ...] = ()
+        self.reducers: tuple[Callable, ...] = ()
         # per iteration
         self.post_forward_indices: list[int] = []
         self.modules_to_run: set[nn.Module] = set()
@@ -170,8 +172,6 @@ class FSDPState:
         self.root_post_backward_hook = torch.compiler.disable(self.root_post_backward)
         for module in modules:
             module._hyperfsdp_state = self  # type: ignore[attr-defined]
-            # torch.distributed.pipelining reads a stage's FSDP2 state (see _pipelining.py)
-            expose_fsdp2_state(module, StageReduceView(module))
             module.register_forward_pre_hook(self.forward_pre_hook, prepend=True, with_kwargs=True)
             module.register_forward_hook(self.forward_post_hook)
 
@@ -208,7 +208,7 @@ class FSDPState:
                 "unit; apply fully_shard to the model's top module last"
             )
         root_module = self.modules[0]
-        states: list[FSDPState] = []
+        states: list[UnitState] = []
         seen: set[int] = set()
         module_names: dict[int, list[str]] = {}
         for name, module in root_module.named_modules():
@@ -246,7 +246,6 @@ class FSDPState:
             self.comm if self.comm is not None and not self.comm.provisional else Comm(self.device)
         )
         ctx = RootContext(self, states, comm)
-        pm = get_plugin_manager()
         for state in states:
             state.ctx = ctx
             state.is_root = state is self
@@ -259,17 +258,12 @@ class FSDPState:
             if state.group is not None:
                 state.group.backward_active = in_backward
                 state.prepare_group()
-            view = state.view
-            state.input_transforms = [
-                f for f in pm.hook.hyperfsdp_forward_input_transform(unit=view) if f
-            ]
-            state.output_transforms = [
-                f for f in pm.hook.hyperfsdp_forward_output_transform(unit=view) if f
-            ]
+            forward = state.port.forward_hooks(state.view)
+            state.input_transforms = forward.inputs
+            state.output_transforms = forward.outputs
         if self.auto_reshard_after_forward:
             self.reshard_after_forward = False
-        ctx.finalize_runs = tuple((phase.name, phase.run) for phase in pm.finalization_phases())
-        comm.observers.extend(f for f in pm.hook.hyperfsdp_collective_observer(root=ctx.view) if f)
+        ctx.use_hooks(self.port.root_hooks(ctx.view))
         return ctx
 
     def prepare_group(self) -> None:
@@ -277,14 +271,14 @@ class FSDPState:
         the unsharded parameters, the plugins' gradient reducers, the root's prefetch hook."""
         group = self.group
         assert group is not None
-        hook = get_plugin_manager().hook
-        group.fill_input = hook.hyperfsdp_all_gather_input(unit=self.view)
-        group.apply_settings()
+        group.name_unit(self.view, self.fqn)
+        group.fill_input = self.port.all_gather_input(self.view)
+        group.apply_settings()  # asks the unit's transport
         group.init_unsharded()
-        self.reducers = [r for r in hook.hyperfsdp_gradient_reducers(unit=self.view) if r]
-        land = hook.hyperfsdp_grad_landing(unit=self.view)
+        hooks = self.port.gradient_hooks(self.view)
+        self.reducers = hooks.reducers
         for p in group.params:
-            p.land_grad = land
+            p.land_grad = hooks.land_grad
         if self.is_root:
             # frozen parameters accumulate nothing (and cannot take the hook); an
             # all-gather extension's unsharded parameter is built at its first unshard
@@ -310,8 +304,10 @@ class FSDPState:
             self.reset_sharded_params()
 
     def reset_sharded_params(self) -> None:
-        """Rebuild the unit's storage around its registered parameters (see ``_storage``)."""
-        reset_sharded_params(self)
+        """Rebuild the unit's storage around its registered parameters (see ``storage``)."""
+        if rebuild_storage(self.group, self.unit_spec, self.unit_fqns, self.port) and self.ctx:
+            self.prepare_group()
+        announce_reset(self.group, self.port)
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.needs_reset:
@@ -651,7 +647,7 @@ class FSDPState:
                     p.clear_iteration_grads()
 
 
-def check_materialized(states: list[FSDPState]) -> None:
+def check_materialized(states: list[UnitState]) -> None:
     """Fail a forward whose units still have parameters on the meta device, naming them."""
     on_meta = [
         p.fqn
@@ -671,7 +667,7 @@ def check_materialized(states: list[FSDPState]) -> None:
         )
 
 
-def reduce_grads(states: list[FSDPState]) -> None:
+def reduce_grads(states: list[UnitState]) -> None:
     """Reduce what ``states`` hold now (``FSDPModule.reduce_grads``); see its docstring."""
     ctx = states[0].ctx
     if ctx is None:  # before the first forward no unit can hold a gradient

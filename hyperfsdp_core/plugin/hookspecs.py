@@ -26,13 +26,14 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from ._collectives import Transport
-    from ._mesh_info import MeshInfo
-    from ._plugins import Phase
-    from ._records import CollectiveEvent, ParamLayout, ShardedStorage
-    from ._reduction import Reduction
-    from ._unit import UnitSpec
-    from ._views import ParamView, RootView, UnitView
+    from ..comm.collectives import Transport
+    from ..comm.records import CollectiveEvent
+    from ..engine.mesh_info import MeshInfo
+    from ..engine.records import ParamLayout, ShardedStorage
+    from ..engine.reduction import Reduction
+    from ..engine.spec import UnitSpec
+    from .phases import Phase
+    from .views import ParamView, RootView, UnitView
 
 hookspec = pluggy.HookspecMarker("hyperfsdp")
 

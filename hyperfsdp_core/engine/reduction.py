@@ -8,33 +8,19 @@ rank's slots back to back; the members' gradients are views of it.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from ._collectives import Comm, Handle
-from ._divide import Divisors, gradient_divisors
-from ._layout import Segment, pack_segments
-from ._param import HSDPParam
+from ..comm.collectives import READY, Comm, Handle
+from .divide import Divisors, gradient_divisors
+from .layout import Segment, pack_segments
+from .param import ShardedParam
 
 if TYPE_CHECKING:
-    from ._group import Bucket
-    from ._mesh_info import MeshInfo
-    from ._views import ParamView, UnitView
-
-
-class _Ready(Handle):
-    """A handle that is always complete (local paths that issue no collective)."""
-
-    def wait(self) -> None:
-        return
-
-    def abandon(self) -> None:
-        return
-
-
-READY = _Ready()
+    from .bucket import Bucket
+    from .mesh_info import MeshInfo
 
 
 class _PackPlan:
@@ -42,7 +28,7 @@ class _PackPlan:
 
     __slots__ = ("chunk", "dim", "numel", "offset", "post", "pre", "quot", "rem", "rows", "world")
 
-    def __init__(self, p: HSDPParam, seg: Segment, world: int) -> None:
+    def __init__(self, p: ShardedParam, seg: Segment, world: int) -> None:
         lay = p.layout
         self.offset, self.numel, self.world = seg.offset, seg.numel, world
         self.dim = p.shard_dim
@@ -116,8 +102,9 @@ class Reduction:
 
     # -- public protocol ----------------------------------------------------------------------
     @property
-    def params(self) -> tuple[ParamView, ...]:
-        """The members whose gradients ``output`` holds (those that require grad)."""
+    def params(self) -> tuple[Any, ...]:
+        """The members whose gradients ``output`` holds (those that require grad), as the
+        plugins' ``ParamView`` objects."""
         return self._plan.views
 
     @property
@@ -129,7 +116,8 @@ class Reduction:
         return self._bucket.reduce_dtype
 
     @property
-    def unit(self) -> UnitView:
+    def unit(self) -> Any:
+        """The unit's ``UnitView``."""
         return self._bucket.unit
 
     @property
@@ -148,7 +136,7 @@ class Reduction:
         (the TP all-reduce after the data-parallel one) acts when only its own is left."""
         return self._holds
 
-    def grad_of(self, param: ParamView) -> torch.Tensor | None:
+    def grad_of(self, param: Any) -> torch.Tensor | None:
         """``param``'s reduced shard inside ``output`` (a view of its ``local_shape``), or
         ``None`` when ``param`` is not a member or received no gradient."""
         index = self._plan.index.get(param)

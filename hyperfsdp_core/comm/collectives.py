@@ -22,13 +22,14 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from ._records import CollectiveEvent
+from .records import CollectiveEvent
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_reduce = dist.all_reduce
 _broadcast = dist.broadcast
+
 
 class Transport:
     """How a unit's collectives move bytes: the communication seam (``plugin.Transport``).
@@ -254,6 +255,20 @@ class Handle:
             self._work = self._event = self.keepalive = None
 
 
+class Ready(Handle):
+    """A handle that is always complete (local paths that issue no collective)."""
+
+    def wait(self) -> None:
+        return
+
+    def abandon(self) -> None:
+        return
+
+
+#: The handle of work that is already complete.
+READY = Ready()
+
+
 class BufferPool:
     """Reuses communication buffers instead of reallocating them every time (CPU only).
 
@@ -336,7 +351,7 @@ class StoragePool:
         return True
 
     def park(self, storage: torch.UntypedStorage) -> None:
-        from ._torch_private import swap_storage_memory
+        from .._torch_private import swap_storage_memory
 
         if not self.parking:
             storage.resize_(0)
@@ -362,7 +377,7 @@ class StoragePool:
         """Give ``storage`` (empty) parked memory of ``nbytes``; False if none is idle."""
         if nbytes != self._key or not self._free:
             return False
-        from ._torch_private import swap_storage_memory
+        from .._torch_private import swap_storage_memory
 
         swap_storage_memory(storage, self._free.pop())
         return True

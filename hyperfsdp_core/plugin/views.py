@@ -13,14 +13,14 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._stash import Stash
+from ..engine.stash import Stash
 
 if TYPE_CHECKING:
-    from ._collectives import PluginComm
-    from ._context import RootContext
-    from ._mesh_info import MeshInfo
-    from ._param import HSDPParam
-    from ._state import FSDPState
+    from ..comm.collectives import PluginComm
+    from ..engine.mesh_info import MeshInfo
+    from ..engine.param import ShardedParam
+    from ..engine.root import RootContext
+    from ..engine.state import UnitState
 
 
 class ParamView:
@@ -37,7 +37,7 @@ class ParamView:
 
     __slots__ = ("_hyperfsdp_param",)
 
-    def __init__(self, param: HSDPParam) -> None:
+    def __init__(self, param: ShardedParam) -> None:
         self._hyperfsdp_param = param
 
     @property
@@ -152,7 +152,7 @@ class UnitView:
 
     __slots__ = ("_hyperfsdp_state",)
 
-    def __init__(self, state: FSDPState) -> None:
+    def __init__(self, state: UnitState) -> None:
         self._hyperfsdp_state = state
 
     @property

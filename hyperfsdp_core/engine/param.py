@@ -1,4 +1,4 @@
-"""HSDPParam: one managed parameter's three layers and who owns its unsharded memory.
+"""ShardedParam: one managed parameter's three layers and who owns its unsharded memory.
 
 * logical global tensor: the model's parameter, never padded (``global_shape``); FSDP
   shards a plain tensor of ``unsharded_shape`` (the parameter itself, or under tensor
@@ -9,25 +9,26 @@
   flat sharded buffer; the actual shard is a prefix view of it and the padding
   (only for uneven shapes) stays zero.
 
-The flat buffers themselves belong to the :class:`~hyperfsdp_core._group.Bucket`.
+The flat buffers themselves belong to the :class:`~hyperfsdp_core.engine.unit_params.Bucket`.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ._extension import extension_of
-from ._layout import ShardLayout, contiguous_strides
-from ._mesh_info import MeshInfo
-from ._records import ParamLayout
-from ._stash import Stash
-from ._torch_private import dtensor_from_local_fast
-from ._views import ParamView
+from .._torch_private import dtensor_from_local_fast
+from .extension import extension_of
+from .layout import ShardLayout, contiguous_strides
+from .mesh_info import MeshInfo
+from .port import PluginPort
+from .records import ParamLayout
+from .stash import Stash
 
 
 class StorageOwner(str, enum.Enum):
@@ -42,8 +43,8 @@ class StorageOwner(str, enum.Enum):
         return self.value
 
 
-class HSDPParam:
-    """State of one managed parameter. Plugins see it as a :class:`ParamView` (``view``)."""
+class ShardedParam:
+    """State of one managed parameter. Plugins see it as a ``ParamView`` (``view``, built by the plugin layer)."""
 
     def __init__(
         self,
@@ -53,6 +54,7 @@ class HSDPParam:
         module_infos: list[tuple[nn.Module, str]],
         mesh_info: MeshInfo,
         shard_dim: int,
+        port: PluginPort,
     ) -> None:
         self.fqn = fqn
         self.orig_param_id = id(param)  # identity of the Parameter fully_shard replaced
@@ -81,10 +83,10 @@ class HSDPParam:
         self.actual_shape = self.layout.actual_shape
         self.actual_numel = self.layout.actual_numel
         self.stash = Stash()
-        self.view = ParamView(self)
+        self.view = port.param_view(self)  # what plugins are handed (built above the engine)
         self.storage_owner = StorageOwner.SHARDED_STORAGE
         # where reduced gradient shards land (hyperfsdp_grad_landing), set at lazy init
-        self.land_grad: Callable[[ParamView, torch.Tensor], torch.Tensor] | None = None
+        self.land_grad: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
         self.sharded_param: nn.Parameter = param  # replaced by the DTensor in install_sharded
         self.padded_slot: torch.Tensor | None = None  # its slot in the bucket's flat buffer
         # whether sharded_param is the DTensor install_sharded made (the parameter it
@@ -224,7 +226,7 @@ class HSDPParam:
         self.accumulated_grad = None
 
     def __repr__(self) -> str:
-        return f"HSDPParam({self.fqn!r}, {self.global_shape}, {self.mesh_info.describe()})"
+        return f"ShardedParam({self.fqn!r}, {self.global_shape}, {self.mesh_info.describe()})"
 
 
 def placements_for(mesh_info: MeshInfo, shard_dim: int) -> tuple:  # the core's default layout

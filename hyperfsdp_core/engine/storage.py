@@ -8,12 +8,12 @@ import attrs
 import torch
 from torch.distributed.tensor import DTensor
 
-from ._plugins import get_plugin_manager
-from ._unit import UnitSpec
+from .spec import UnitSpec
 
 if TYPE_CHECKING:
-    from ._param import HSDPParam
-    from ._state import FSDPState
+    from .param import ShardedParam
+    from .port import PluginPort
+    from .unit_params import UnitParams
 
 
 def _validated_local(p, registered) -> torch.Tensor:
@@ -42,7 +42,7 @@ def _validated_local(p, registered) -> torch.Tensor:
     return local
 
 
-def _in_place(p: HSDPParam, registered, local: torch.Tensor) -> bool:
+def _in_place(p: ShardedParam, registered, local: torch.Tensor) -> bool:
     """Whether ``registered`` is still ``p``'s sharded parameter over its own slot of the
     bucket's flat buffer (a load that copied into it, or a conversion that changed nothing)."""
     slot = p.padded_slot
@@ -57,31 +57,27 @@ def _in_place(p: HSDPParam, registered, local: torch.Tensor) -> bool:
     return local.numel() == 0 or (local.data_ptr() == slot.data_ptr() and local.is_contiguous())
 
 
-def _unit_spec_now(state: FSDPState) -> UnitSpec:
+def _unit_spec_now(group: UnitParams, spec: UnitSpec, fqns: tuple[str, ...]) -> UnitSpec:
     """The unit's ``fully_shard`` spec with its parameters as registered now (the objects a
     load with ``assign=True`` may have replaced), for ``hyperfsdp_param_dtypes``."""
-    group = state.group
-    assert group is not None and state.unit_spec is not None
     return attrs.evolve(
-        state.unit_spec,
-        named_params=tuple(zip(state.unit_fqns, (p.sharded_param for p in group.params))),
+        spec,
+        named_params=tuple(zip(fqns, (p.sharded_param for p in group.params))),
         replicate_params=frozenset(
             p.sharded_param for p in group.params if p.mesh_info.kind == "DDP"
         ),
     )
 
 
-def _decide_dtypes_again(state: FSDPState, params: list[HSDPParam]) -> None:
+def _decide_dtypes_again(spec: UnitSpec, params: list[ShardedParam], port: PluginPort) -> None:
     """Ask ``hyperfsdp_param_dtypes`` again for parameters a conversion gave a new dtype.
 
     A policy's ``param_dtype=None`` / ``reduce_dtype=None`` follow the parameter's dtype,
     the new one after ``model.to(torch.bfloat16)``; a dtype the policy names stays (FSDP2
     derives both from the policy and the parameter's dtype at lazy init).
     """
-    unit = _unit_spec_now(state)
-    hook = get_plugin_manager().hook.hyperfsdp_param_dtypes
     for p in params:
-        param_dtype, reduce_dtype = hook(unit=unit, param=p.sharded_param) or (None, None)
+        param_dtype, reduce_dtype = port.param_dtypes(spec, p.sharded_param)
         p.orig_dtype = p.sharded_param.dtype
         p.set_dtypes(param_dtype, reduce_dtype)
         acc = p.accumulated_grad  # gradient kept with sync off, in the reduce dtype
@@ -89,8 +85,11 @@ def _decide_dtypes_again(state: FSDPState, params: list[HSDPParam]) -> None:
             p.accumulated_grad = acc.to(p.reduce_dtype)
 
 
-def reset_sharded_params(state: FSDPState) -> None:
-    """Rebuild the unit's flat sharded storage around its currently registered parameters.
+def rebuild_storage(
+    group: UnitParams, spec: UnitSpec, fqns: tuple[str, ...], port: PluginPort
+) -> bool:
+    """Rebuild the unit's flat sharded storage around its currently registered parameters;
+    whether it was rebuilt (the caller then prepares the unit's plans again).
 
     A ``load_state_dict`` that copied into the sharded parameters (the default) leaves
     every local tensor a view of its slot: the storage stays as it is (same
@@ -99,10 +98,7 @@ def reset_sharded_params(state: FSDPState) -> None:
     dtype casts) their local tensors are. Then the actual shards are copied into fresh
     padded storage (padding zeroed), the parameters' local tensors become views of it,
     and a parameter whose dtype changed has its compute and reduce dtypes decided again.
-    Either way ``hyperfsdp_param_reset`` runs for every parameter.
     """
-    group = state.group
-    assert group is not None
     group.reshard()
     locals_by_param = {}
     moved = False
@@ -112,15 +108,23 @@ def reset_sharded_params(state: FSDPState) -> None:
         moved = moved or not _in_place(p, registered, local)
         locals_by_param[id(p)] = local.detach()
     if moved:
-        _rebuild(state, locals_by_param)
-    hook = get_plugin_manager().hook.hyperfsdp_param_reset
+        _rebuild(group, locals_by_param, spec, fqns, port)
+    return moved
+
+
+def announce_reset(group: UnitParams, port: PluginPort) -> None:
+    """``hyperfsdp_param_reset`` for every parameter, after :func:`rebuild_storage`."""
     for p in group.params:
-        hook(param=p.view)
+        port.param_reset(p.view)
 
 
-def _rebuild(state: FSDPState, locals_by_param: dict[int, torch.Tensor]) -> None:
-    group = state.group
-    assert group is not None
+def _rebuild(
+    group: UnitParams,
+    locals_by_param: dict[int, torch.Tensor],
+    spec: UnitSpec,
+    fqns: tuple[str, ...],
+    port: PluginPort,
+) -> None:
     retyped = []
     for p in group.params:
         registered = p.registered()
@@ -129,12 +133,10 @@ def _rebuild(state: FSDPState, locals_by_param: dict[int, torch.Tensor]) -> None
         if locals_by_param[id(p)].dtype != p.orig_dtype:
             retyped.append(p)
     if retyped:
-        _decide_dtypes_again(state, retyped)
+        _decide_dtypes_again(_unit_spec_now(group, spec, fqns), retyped, port)
     first = next(iter(locals_by_param.values()))
     device = (
         torch.device("meta") if any(t.is_meta for t in locals_by_param.values()) else first.device
     )
     group.rebucket()  # dtypes may have changed
     group.build_sharded(locals_by_param, device)
-    if state.ctx is not None:
-        state.prepare_group()

@@ -8,7 +8,7 @@ import attrs
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .policies import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from ..policies import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 
 
 @attrs.frozen(eq=False)

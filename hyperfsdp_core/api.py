@@ -14,16 +14,19 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ._collectives import Comm
-from ._exit import install_exit_drain
-from ._extension import initial_local
-from ._group import ParamGroup
-from ._mesh_info import check_mesh_device, mesh_device
-from ._module import FSDPModule, fsdp_class
-from ._param import HSDPParam
-from ._plugins import get_plugin_manager
-from ._state import FSDPState
-from ._unit import UnitSpec
+from ._torch_private import expose_fsdp2_state
+from .comm.collectives import Comm
+from .comm.exit import install_exit_drain
+from .engine.extension import initial_local
+from .engine.mesh_info import check_mesh_device, mesh_device
+from .engine.param import ShardedParam
+from .engine.pipelining import StageReduceView
+from .engine.spec import UnitSpec
+from .engine.state import UnitState
+from .engine.unit_params import UnitParams
+from .module import FSDPModule, fsdp_class
+from .plugin.dispatch import DISPATCH
+from .plugin.manager import get_plugin_manager
 from .policies import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 
 install_exit_drain()  # gloo workers finish with the GIL before finalization (see _exit.py)
@@ -113,26 +116,36 @@ def fully_shard(
     device = mesh_device(mesh)
     hsdp_params, locals_by_param = [], {}
     for fqn, param, mesh_info, shard_dim, layout, (param_dtype, reduce_dtype) in decisions:
-        hp = HSDPParam(fqn, param, layout, registrations[id(param)], mesh_info, shard_dim)
+        hp = ShardedParam(
+            fqn, param, layout, registrations[id(param)], mesh_info, shard_dim, DISPATCH
+        )
         hp.set_dtypes(param_dtype, reduce_dtype)
         locals_by_param[id(hp)] = _initial_local(hp, layout.tensor, device)
         hsdp_params.append(hp)
         _RETIRED.add(param, fqn)
     _move_managed_buffers(modules, sub_states, device)
-    group = ParamGroup(hsdp_params, device, storage) if hsdp_params else None
+    group = UnitParams(hsdp_params, device, storage, mp_policy) if hsdp_params else None
     if group is not None:
         group.build_sharded(locals_by_param, _storage_device(locals_by_param.values(), device))
         if not isinstance(reshard_after_forward, bool) and isinstance(reshard_after_forward, int):
             group.post_forward_size = reshard_after_forward
             group.apply_settings()
-    state = FSDPState(modules, group, device, reshard_after_forward)
-    state.mp_policy = mp_policy
-    state.offload_policy = offload_policy
-    # the call's options for hooks asked again later (dtypes after a conversion), without
-    # the original parameters (their full tensors would stay alive)
-    state.unit_spec = attrs.evolve(unit, named_params=(), replicate_params=frozenset())
-    state.unit_fqns = tuple(fqn for fqn, _ in named)
+    UnitState(
+        modules,
+        group,
+        device,
+        reshard_after_forward,
+        DISPATCH,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        # the call's options for hooks asked again later (dtypes after a conversion),
+        # without the original parameters (their full tensors would stay alive)
+        unit_spec=attrs.evolve(unit, named_params=(), replicate_params=frozenset()),
+        unit_fqns=tuple(fqn for fqn, _ in named),
+    )
     for m in modules:
+        # torch.distributed.pipelining reads a stage's FSDP2 state (see engine/pipelining.py)
+        expose_fsdp2_state(m, StageReduceView(m))
         m.__class__ = fsdp_class(type(m), tuple(mixins))
         m.register_state_dict_pre_hook(_before_state_dict)
         m.register_load_state_dict_pre_hook(_convert_before_load)
@@ -291,7 +304,7 @@ def _check_even(fqn: str, tensor: torch.Tensor, dim: int, world: int) -> None:
         )
 
 
-def _initial_local(hp: HSDPParam, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _initial_local(hp: ShardedParam, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if hp.extension:  # the all-gather extension's subclass stays one (no detach)
         return initial_local(hp, tensor, device)
     data = tensor.detach()

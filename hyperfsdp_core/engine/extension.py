@@ -5,12 +5,8 @@ mechanism is ``_subclass_gather.py``."""
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from ._param import HSDPParam
 
 _SIGNATURE = (
     "fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy) or "
@@ -54,7 +50,7 @@ def pre_arity(tensor: torch.Tensor) -> int:
     return len(inspect.signature(tensor.fsdp_pre_all_gather).parameters)
 
 
-def initial_local(p: HSDPParam, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+def initial_local(p, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """This rank's actual shard of an extension parameter, still the subclass (a
     ``detach`` would unwrap some subclasses, torchao's float8 weight among them)."""
     with torch.no_grad():

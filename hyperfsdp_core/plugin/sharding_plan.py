@@ -7,8 +7,8 @@ from typing import Any
 import attrs
 import torch
 
-from ._param import HSDPParam
-from ._plugins import get_plugin_manager
+from ..engine.param import ShardedParam
+from .manager import get_plugin_manager
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -40,7 +40,7 @@ class PlanRow:
         return dict(self.extra).get(name, default)
 
     @classmethod
-    def of(cls, p: HSDPParam, owner: str, fqn: str, extra: dict[str, Any]) -> PlanRow:
+    def of(cls, p: ShardedParam, owner: str, fqn: str, extra: dict[str, Any]) -> PlanRow:
         return cls(
             fqn=fqn,
             global_shape=p.global_shape,

@@ -40,12 +40,12 @@ import math
 import torch
 from torch import nn
 
-from ._buffers import free
-from ._collectives import Comm
-from ._extension import pre_arity
-from ._group import Bucket, ShardedState
-from ._param import HSDPParam
-from ._torch_private import dtensor_local_tensor
+from .._torch_private import dtensor_local_tensor
+from ..comm.collectives import Comm
+from .bucket import Bucket, ShardedState
+from .buffers import free
+from .extension import pre_arity
+from .param import ShardedParam
 
 
 def _shard_mesh(info):
@@ -79,7 +79,9 @@ class _Member:
         "unflat",
     )
 
-    def __init__(self, p: HSDPParam, inputs: list[torch.Tensor], world: int, offset: int) -> None:
+    def __init__(
+        self, p: ShardedParam, inputs: list[torch.Tensor], world: int, offset: int
+    ) -> None:
         lay = p.layout
         actual, padded = tuple(lay.actual_shape), tuple(lay.padded_shape)
         self.offset = offset  # in the byte row of a rank
@@ -154,7 +156,7 @@ class ExtensionBucket(Bucket):
     the all-gather extension: one all-gather of their payload bytes, the usual
     reduce-scatter of their gradients."""
 
-    def __init__(self, params: list[HSDPParam], device: torch.device) -> None:
+    def __init__(self, params: list[ShardedParam], device: torch.device) -> None:
         super().__init__(params, device)
         self._members: list[_Member] | None = None
         self._row_bytes = 0
@@ -196,7 +198,7 @@ class ExtensionBucket(Bucket):
         if self._pre_mesh is None:
             self._pre_mesh = _shard_mesh(self.mesh_info)
         mesh, out = self._pre_mesh, []
-        mp = self.unit.mp_policy if self.unit is not None else None
+        mp = self.mp_policy
         with torch.no_grad():
             locals_ = [dtensor_local_tensor(p.sharded_param) for p in self.params]
             if self._arity is None:

@@ -10,18 +10,16 @@ from collections.abc import Sequence
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
-    from ._plugins import (
-        API_ATTRIBUTE,
+    from ..plugin.manager import (
         DISABLE_AUTOLOAD_ENV,
-        PhaseOrderError,
-        PluginLoadError,
         PluginSelectionError,
         PluginSelectionWarning,
         _version,
-        api_version_string,
         build_unsealed_plugin_manager,
         get_plugin_manager,
     )
+    from ..plugin.phases import PhaseOrderError
+    from ..plugin.versions import API_ATTRIBUTE, PluginLoadError, api_version_string
 
     order_error = None
     try:
@@ -103,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser("plugins", help="list installed plugins and the finalization order")
     p.set_defaults(func=_cmd_plugins)
-    from . import _planning, demo
+    from . import demo
+    from . import plan as _planning
 
     _planning.add_parser(sub)
     demo.add_parser(sub)
@@ -113,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _plugin_commands(sub) -> None:
     """Commands contributed by plugins (``hyperfsdp_cli_commands``)."""
-    from ._plugins import PhaseOrderError, PluginLoadError, PluginSelectionError, get_plugin_manager
+    from ..plugin.manager import PluginSelectionError, get_plugin_manager
+    from ..plugin.phases import PhaseOrderError
+    from ..plugin.versions import PluginLoadError
 
     try:
         pm = get_plugin_manager()
@@ -124,7 +125,7 @@ def _plugin_commands(sub) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-    from ._plugins import PluginSelectionWarning
+    from ..plugin.manager import PluginSelectionWarning
 
     with warnings.catch_warnings(record=True) as caught:
         parser = build_parser()  # builds the plugin manager (for plugins' commands)

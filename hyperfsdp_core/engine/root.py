@@ -9,37 +9,38 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._collectives import Comm, PluginComm
-from ._stash import Stash
-from ._torch_private import queue_end_of_backward_callback
-from ._views import RootView
+from .._torch_private import queue_end_of_backward_callback
+from ..comm.collectives import Comm, PluginComm
+from .port import RootHooks
+from .stash import Stash
 
 if TYPE_CHECKING:
-    from ._reduction import Reduction
-    from ._state import FSDPState
+    from .reduction import Reduction
 
 #: Set to a non-empty value to log every unit's state transitions (logger below, INFO).
 LOG_TRANSITIONS_ENV = "HYPERFSDP_LOG_TRANSITIONS"
 transition_logger = logging.getLogger("hyperfsdp_core.transitions")
 
+#: A unit of the root (``engine.state.UnitState``, the layer that creates contexts).
+Unit = Any
+
 
 class RootContext:
     """Shared by all units under one root; created at the root's lazy init."""
 
-    def __init__(self, root: FSDPState, states: list[FSDPState], comm: Comm) -> None:
+    def __init__(self, root: Unit, states: list[Unit], comm: Comm) -> None:
         self.root = root
         self.states = states
         self.unit_views = tuple(s.view for s in states)
         self.comm = comm
         self.plugin_comm = PluginComm(comm)
-        self.view = RootView(self)
+        self.view = root.port.root_view(self)  # what phases and observers are handed
         self._resolve_transports()
-        self.finalize_runs: tuple = ()
+        self.finalize_runs: tuple = ()  # see use_hooks
         #: Plugins' per-root data (queues, groups), under their own StashKeys.
         self.stash = Stash()
         # tree-wide settings (FSDPModule setters write them here, whichever unit they are
@@ -47,7 +48,7 @@ class RootContext:
         self.is_last_backward: bool = root.is_last_backward
         self.post_optim_event = root.post_optim_event
         # per iteration
-        self.iter_forward_root: FSDPState | None = None
+        self.iter_forward_root: Unit | None = None
         self.in_backward = False
         self.callback_queued = False
         # the current backward runs with create_graph=True (grad mode on in its hooks)
@@ -57,11 +58,11 @@ class RootContext:
         # backward that builds no graph has consumed it (see ``enter_graph_mode``)
         self.graph_live = False
         self._graph_hooks: list[Any] = []
-        self.post_forward_order: list[FSDPState] = []
-        self.forward_order: list[FSDPState] = []
-        self.next_in_forward: dict[FSDPState, FSDPState] = {}
+        self.post_forward_order: list[Unit] = []
+        self.forward_order: list[Unit] = []
+        self.next_in_forward: dict[Unit, Unit] = {}
         # one entry per unit post-backward that reduced: (unit, its reductions)
-        self.pending_reductions: list[tuple[FSDPState, list[Reduction]]] = []
+        self.pending_reductions: list[tuple[Unit, list[Reduction]]] = []
         # transition log: None when off (the common case costs one attribute test)
         self.transition_log: list[tuple[str, str, str, str]] | None = None
         if os.environ.get(LOG_TRANSITIONS_ENV):
@@ -72,16 +73,18 @@ class RootContext:
         when its settings are applied at lazy init (``prepare_group``, once its fqn is
         known); the comm looks a unit's up by fqn for the collectives plugins issue with
         ``unit=<fqn>``."""
-        from ._plugins import get_plugin_manager
-
-        hook = get_plugin_manager().hook.hyperfsdp_transport
         pairs = []
         for state in self.states:
             if state.group is not None:
-                state.group.ask_transport(partial(hook, unit=state.view))
+                state.group.ask_transport(state.port.transport_question(state.view))
                 pairs.append((state.view, state.group))
         self._unit_transports = pairs
         self.comm.add_unit_transports(pairs)
+
+    def use_hooks(self, hooks: RootHooks) -> None:
+        """The root's resolved plugin hooks: finalization phases and collective observers."""
+        self.finalize_runs = hooks.finalize_runs
+        self.comm.observers.extend(hooks.observers)
 
     def backward_active(self) -> bool:
         """Whether a backward of this root is running (units' held parameters in use)."""
@@ -198,7 +201,7 @@ class RootContext:
             handle.remove()
         self._graph_hooks = []
 
-    def add_reductions(self, state: FSDPState, reductions: list[Reduction]) -> None:
+    def add_reductions(self, state: Unit, reductions: list[Reduction]) -> None:
         self.pending_reductions.append((state, reductions))
 
     def drain_reductions(self, keep: int = 0) -> None:
@@ -208,7 +211,7 @@ class RootContext:
             state, reductions = pending.pop(0)
             finish_reductions(state, reductions, self.comm)
 
-    def wait_reductions(self, keep: int) -> list[tuple[FSDPState, list[Reduction]]]:
+    def wait_reductions(self, keep: int) -> list[tuple[Unit, list[Reduction]]]:
         """Take the oldest pending reductions until ``keep`` remain, their collectives
         complete (buffers recycled); the caller finishes them with :func:`finish_reductions`."""
         pending = self.pending_reductions
@@ -262,7 +265,7 @@ class RootContext:
             state.post_forward_indices.clear()
 
 
-def finish_reductions(state: FSDPState, reductions: list[Reduction], comm: Comm) -> None:
+def finish_reductions(state: Unit, reductions: list[Reduction], comm: Comm) -> None:
     """Wait for one post-backward's reductions, run the unit's reducers, then release the
     core's hold: what no reducer deferred or consumed lands on ``.grad`` now."""
     for red in reductions:

@@ -8,13 +8,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ._buffers import alias, free
-from ._layout import ShardLayout, contiguous_strides, pack_segments
-from ._mesh_info import MeshInfo
-from ._param import placements_for
+from .buffers import alias, free
+from .layout import ShardLayout, contiguous_strides, pack_segments
+from .mesh_info import MeshInfo
+from .param import placements_for
 
 if TYPE_CHECKING:
-    from ._group import Bucket
+    from .param import ShardedParam
 
 
 class PostForward:
@@ -26,25 +26,32 @@ class PostForward:
     gathered from (or dropped), like the unsharded buffer; the DTensors stay valid.
     """
 
-    def __init__(self, bucket: Bucket, info: MeshInfo) -> None:
+    def __init__(
+        self,
+        params: list[ShardedParam],
+        info: MeshInfo,
+        *,
+        gathered_numel: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        """``params``: the bucket's members; ``gathered_numel``: the elements of its
+        all-gather over the full shard group (``world * total``)."""
         size, rank = info.shard_size, info.shard_rank
         self.info = info
         self.layouts = [
-            ShardLayout(p.unsharded_shape, p.shard_dim, world=size, rank=rank)
-            for p in bucket.params
+            ShardLayout(p.unsharded_shape, p.shard_dim, world=size, rank=rank) for p in params
         ]
         self.segments, self.total = pack_segments([lay.padded_numel for lay in self.layouts])
         self.gather_layout = (size, self.total, self.segments, self.layouts)
-        first = bucket.params[0]
+        first = params[0]
         self.direct = (
-            len(bucket.params) == 1
-            and first.shard_dim == 0
-            and size * self.total == bucket.world * bucket.total
+            len(params) == 1 and first.shard_dim == 0 and size * self.total == gathered_numel
         )
         self.params = []
         with torch.inference_mode(False), torch.no_grad():  # persistent, as init_unsharded
-            self.flat = torch.empty(self.total, dtype=bucket.param_dtype, device=bucket.device)
-            for p, lay, seg in zip(bucket.params, self.layouts, self.segments):
+            self.flat = torch.empty(self.total, dtype=dtype, device=device)
+            for p, lay, seg in zip(params, self.layouts, self.segments):
                 local = alias(
                     self.flat, seg.offset, lay.actual_shape, contiguous_strides(lay.actual_shape)
                 )

@@ -11,13 +11,13 @@ import torch
 from ._torch_private import torch_fsdp_module_class
 
 if TYPE_CHECKING:
-    from ._state import FSDPState
+    from .engine.state import UnitState
 
 
 class UnshardHandle:
     """A handle to wait on an :meth:`FSDPModule.unshard` issued with ``async_op=True``."""
 
-    def __init__(self, state: FSDPState | None = None) -> None:
+    def __init__(self, state: UnitState | None = None) -> None:
         self._state = state
 
     def wait(self) -> None:
@@ -45,13 +45,13 @@ class FSDPModule:
             "freshly built module instead"
         )
 
-    def _fsdp_state(self) -> FSDPState:
+    def _fsdp_state(self) -> UnitState:
         return self._hyperfsdp_state  # type: ignore[attr-defined]
 
-    def _fsdp_states(self, recurse: bool) -> list[FSDPState]:
+    def _fsdp_states(self, recurse: bool) -> list[UnitState]:
         if not recurse:
             return [self._fsdp_state()]
-        states: list[FSDPState] = []
+        states: list[UnitState] = []
         for module in self.modules():  # type: ignore[attr-defined]
             state = getattr(module, "_hyperfsdp_state", None)
             if state is not None and state not in states:
@@ -67,7 +67,7 @@ class FSDPModule:
             return UnshardHandle() if async_op else None
         state.ensure_storage()
         if state.comm is None:
-            from ._collectives import Comm
+            from .comm.collectives import Comm
 
             state.comm = Comm(state.device)
             state.comm.provisional = True  # the root's lazy init replaces it
@@ -104,7 +104,7 @@ class FSDPModule:
         inside a backward, the drain does not reduce these units again; after it, or
         called twice, nothing is reduced twice. Collective: call it on every rank.
         """
-        from ._state import reduce_grads
+        from .engine.state import reduce_grads
 
         reduce_grads(self._fsdp_states(recurse))
 
@@ -262,7 +262,7 @@ class FSDPModule:
 
     def sharding_plan(self):
         """One row per managed parameter of this unit and its sub-units (see API.md)."""
-        from ._plan import sharding_plan
+        from .plugin.sharding_plan import sharding_plan
 
         return sharding_plan(self)
 

@@ -48,7 +48,7 @@ class StageReduceView:
         return ()
 
     def _root_post_backward_final_callback(self) -> None:
-        from ._state import reduce_grads
+        from .state import reduce_grads
 
         state = self.module._hyperfsdp_state  # type: ignore[attr-defined]
         if state.is_root and state.ctx is not None:

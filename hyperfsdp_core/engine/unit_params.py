@@ -1,0 +1,201 @@
+"""Buckets (one all-gather and one reduce-scatter each) and the per-unit UnitParams.
+
+A unit's parameters are bucketed by data-parallel topology and dtypes. Each bucket
+owns three flat buffers:
+
+* ``sharded_flat`` (original dtype): every member's padded shard back to back; the
+  members' DTensor local tensors are views of it, so it *is* the all-gather input
+  (no copy-in unless a cast is needed);
+* ``unsharded_flat`` (compute dtype, param-major, ``world * total``): the members'
+  unsharded parameters alias it; its storage is freed (resized to 0) on reshard and
+  re-allocated on unshard, so autograd's saved references stay valid;
+* a reduce-scatter pack (reduce dtype, rank-major), borrowed per step from a pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..comm.collectives import Comm, Transport, compose_transport
+from . import held as _held
+from .bucket import Bucket, ShardedState
+from .param import ShardedParam
+from .reduction import Reduction, reduce_bucket
+
+if TYPE_CHECKING:
+    from .records import ShardedStorage
+
+
+class UnitParams:
+    """All managed parameters of one ``fully_shard`` call, in buckets.
+
+    Unit-level settings (divide factor, post-forward group size, all-reduce hook) live
+    here and are applied to every bucket, also when the buckets are rebuilt.
+    """
+
+    def __init__(
+        self,
+        params: list[ShardedParam],
+        device: torch.device,
+        storage: ShardedStorage | None = None,
+        mp_policy=None,
+    ) -> None:
+        self.params = params
+        self.device = device
+        self.storage = storage  # from hyperfsdp_sharded_storage; None: on `device`
+        self.unit = None  # the unit's view (opaque; see name_unit)
+        self.unit_fqn: str | None = None
+        self.mp_policy = mp_policy
+        self.fill_input: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+        self.divide_factor: float | None = None
+        self.post_forward_size: int | None = None
+        # unsharded memory held past the unit's hooks (see ``hold``), and whether the
+        # unit's root is in a backward now (set at lazy init)
+        self.held = False
+        self.backward_active: Callable[[], bool] = lambda: False
+        self.custom_all_gather = None
+        self.custom_reduce_scatter = None
+        #: the plugin's ``hyperfsdp_transport`` for this unit, asked at lazy init
+        #: (``ask_transport``) the next time the settings are applied
+        self.plugin_transport: Transport | None = None
+        self._transport_question: Callable[[], Transport | None] | None = None
+        self.separate_reduce_group = False
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.rebucket()
+
+    def rebucket(self) -> None:
+        """(Re)group the parameters by topology and dtypes (after dtype changes, too)."""
+        from .extension_bucket import ExtensionBucket
+
+        by_key: dict[tuple, list[ShardedParam]] = {}
+        for p in self.params:
+            by_key.setdefault(Bucket.key(p), []).append(p)
+        self.buckets = [
+            (ExtensionBucket if members[0].extension else Bucket)(members, self.device)
+            for members in by_key.values()
+        ]
+        self.apply_settings()
+
+    def name_unit(self, view, fqn: str) -> None:
+        """The unit's view (handed to reducers with its reductions) and its fqn (named in
+        collective events), known from the root's lazy init."""
+        self.unit, self.unit_fqn = view, fqn
+
+    def ask_transport(self, question: Callable[[], Transport | None]) -> None:
+        """Lazy init: ``question()`` gives the unit's plugin transport (asked once, by the
+        next :meth:`apply_settings`, when the unit's fqn is known)."""
+        self._transport_question = question
+
+    def apply_settings(self) -> None:
+        from .mesh_info import post_forward_mesh_info, separate_group
+
+        if self._transport_question is not None:
+            question, self._transport_question = self._transport_question, None
+            self.plugin_transport = question()
+        transport = compose_transport(
+            self.custom_all_gather, self.custom_reduce_scatter, self.plugin_transport
+        )
+        for b in self.buckets:
+            b.unit, b.unit_fqn, b.mp_policy = self.unit, self.unit_fqn, self.mp_policy
+            b.fill_input = self.fill_input
+            b.refresh_copy_in()
+            if self.divide_factor is not None:
+                b.divide_factor = self.divide_factor
+            b.all_reduce_hook = self.all_reduce_hook
+            b.custom_all_gather = self.custom_all_gather
+            b.transport = transport
+            b.pf_transport = self.plugin_transport
+            b.reduce_group = (
+                separate_group(b.mesh_info)
+                if self.separate_reduce_group and b.needs_all_gather
+                else None
+            )
+            if self.post_forward_size is not None and b.needs_all_gather:
+                info = post_forward_mesh_info(b.mesh_info, self.post_forward_size)
+                if info is not b.post_forward:
+                    b.post_forward, b._pf = info, None
+
+    def build_sharded(self, locals_by_param: dict[int, torch.Tensor], device: torch.device) -> None:
+        """(Re)build every bucket's storage on ``device`` (meta), else where the
+        storage policy says (pinned host memory under offload), else on ``device``."""
+        pin = False
+        if device.type != "meta" and self.storage is not None:
+            device, pin = self.storage.device, self.storage.pin_memory
+        for b in self.buckets:
+            b.build_sharded([locals_by_param[id(p)] for p in b.params], device, pin)
+
+    def init_unsharded(self) -> None:
+        for b in self.buckets:
+            b.init_unsharded()
+
+    @property
+    def is_unsharded(self) -> bool:
+        return all(b.is_unsharded for b in self.buckets)
+
+    @property
+    def is_sharded(self) -> bool:
+        return all(b.state is ShardedState.SHARDED and b.pending is None for b in self.buckets)
+
+    def hold(self) -> None:
+        """The unsharded parameters (or the post-forward shard) stay held past the unit's
+        hooks: an optimizer step that updates them reshards first (see ``_held``)."""
+        if not self.held and (self.is_unsharded or self.holds_post_forward_shard):
+            self.held = True
+            _held.hold(self)
+
+    @property
+    def holds_post_forward_shard(self) -> bool:
+        return any(b._post_forward_shard is not None for b in self.buckets)
+
+    # -- the _held.Holdable protocol --
+    def held_param_ids(self) -> set[int]:
+        return {id(p.sharded_param) for p in self.params}
+
+    def drop_held(self) -> None:
+        self.reshard()
+
+    def in_backward(self) -> bool:
+        return self.backward_active()
+
+    @property
+    def has_pending(self) -> bool:
+        return any(b.pending is not None for b in self.buckets)
+
+    def prefetch_overlaps(self, comm: Comm) -> bool:
+        """Whether an unshard issued ahead of time overlaps communication with compute
+        (some bucket's gather runs asynchronously, see :meth:`Bucket.gathers_in_line`)."""
+        return not all(b.gathers_in_line(comm) for b in self.buckets)
+
+    def unshard(self, comm: Comm) -> None:
+        for b in self.buckets:
+            b.start_unshard(comm)
+
+    def wait_for_unshard(self, comm: Comm) -> None:
+        for b in self.buckets:
+            b.finish_unshard(comm)
+
+    def reshard(self) -> None:
+        if self.held:
+            self.held = False
+            _held.release(self)
+        for b in self.buckets:
+            b.reshard()
+
+    def reshard_post_forward(self) -> None:
+        for b in self.buckets:
+            b.reshard_post_forward()
+
+    def reduce(self, comm: Comm, *, include_unused: bool) -> list[Reduction]:
+        out = []
+        for b in self.buckets:
+            red = reduce_bucket(b, comm, include_unused=include_unused)
+            if red is not None:
+                out.append(red)
+        return out
+
+    def keep_grads(self) -> None:
+        for b in self.buckets:
+            b.keep_grads()

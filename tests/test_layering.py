@@ -1,0 +1,224 @@
+"""The core's layers import one way: no back edge and no cycle, at any level.
+
+Every import counts: at module level, under ``if TYPE_CHECKING:``, and inside a function
+(a deferred import still ties two modules together). Layers, lowest first::
+
+    0  policies, _torch_private     leaves: user-facing records, torch internals
+    1  comm                         how bytes move (the only layer calling collectives)
+    2  engine                       parameters, buckets, reductions, the hook state machine
+    3  plugin                       the public plugin API, hookspecs, manager, views, dispatch
+    4  api, module, the package     fully_shard, FSDPModule, the top-level names
+    5  cli, testing, __main__       the command, the test harness
+
+A module may import modules of a lower layer freely, and modules of its own layer
+as long as no cycle forms. The checks run on the real package and on synthetic ones, so
+each kind of violation is shown to fail.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from graphlib import CycleError, TopologicalSorter
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "hyperfsdp_core"
+ROOT = Path(__file__).resolve().parent.parent / PACKAGE
+
+#: module (dotted, relative to the package; a prefix names a sub-package) -> layer
+LAYERS: dict[str, int] = {
+    "policies": 0,
+    "_torch_private": 0,
+    "comm": 1,
+    "engine": 2,
+    "plugin": 3,
+    "api": 4,
+    "module": 4,
+    "": 4,  # the package's __init__: the public names
+    "cli": 5,
+    "testing": 5,
+    "__main__": 5,
+}
+#: Calls that move bytes between ranks; only ``comm`` (and user-level code: the demo,
+#: the test harness) may make them.
+COLLECTIVE = re.compile(
+    r"\bdist\.(all_gather\w*|reduce_scatter\w*|all_reduce|broadcast|all_to_all\w*|"
+    r"send|recv|isend|irecv|gather|scatter|reduce)\("
+)
+MAY_CALL_COLLECTIVES = {"comm", "cli", "testing"}
+
+
+def layer_of(module: str) -> int:
+    """The layer of ``module`` (relative dotted name): its longest prefix in :data:`LAYERS`."""
+    if not module:
+        return LAYERS[""]
+    parts = module.split(".")
+    for i in range(len(parts), 0, -1):
+        key = ".".join(parts[:i])
+        if key in LAYERS:
+            return LAYERS[key]
+    raise KeyError(module)
+
+
+def _resolve(
+    module: str, is_package: bool, node: ast.ImportFrom | ast.Import, known: set[str]
+) -> list[str]:
+    """The package-relative modules ``node`` imports (``""``: the package itself):
+    ``from pkg import sub`` imports the module ``pkg.sub``, ``from pkg import name`` ``pkg``."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        if node.level:
+            base = module.split(".") if module else []
+            if not is_package:
+                base = base[:-1]
+            base = base[: len(base) - (node.level - 1)]
+            target = ".".join([PACKAGE, *base, *([node.module] if node.module else [])])
+        else:
+            target = node.module or ""
+        names = [f"{target}.{a.name}" for a in node.names]
+    out = []
+    for name in names:
+        if name == PACKAGE or name.startswith(PACKAGE + "."):
+            rel = name[len(PACKAGE) + 1 :]
+            while rel not in known and "." in rel:
+                rel = rel.rsplit(".", 1)[0]  # a name inside a module
+            if rel not in known:
+                rel = ""  # a name of the package itself
+            out.append(rel)
+    return out
+
+
+def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
+    """``{module: (source, is_package)}`` -> ``{module: modules it imports}``, every import
+    counted (module level, ``TYPE_CHECKING``, inside functions)."""
+    known = set(sources)
+    graph: dict[str, set[str]] = {m: set() for m in sources}
+    for module, (text, is_package) in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for target in _resolve(module, is_package, node, known):
+                    if target != module:
+                        graph[module].add(target)
+    return graph
+
+
+def violations(sources: dict[str, tuple[str, bool]]) -> list[str]:
+    """Back edges (an import of a higher layer) and import cycles, as messages."""
+    graph = import_graph(sources)
+    found = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            if layer_of(target) > layer_of(module):
+                found.append(
+                    f"back edge: {module or PACKAGE} (layer {layer_of(module)}) imports "
+                    f"{target or PACKAGE} (layer {layer_of(target)})"
+                )
+    try:
+        TopologicalSorter(graph).prepare()
+    except CycleError as exc:
+        found.append("cycle: " + " -> ".join(m or PACKAGE for m in exc.args[1]))
+    return found
+
+
+def package_sources(root: Path = ROOT) -> dict[str, tuple[str, bool]]:
+    sources = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).with_suffix("")
+        parts = list(rel.parts)
+        is_package = parts[-1] == "__init__"
+        if is_package:
+            parts = parts[:-1]
+        sources[".".join(parts)] = (path.read_text(), is_package)
+    return sources
+
+
+SOURCES = package_sources()
+
+
+def test_every_module_has_a_layer():
+    for module in SOURCES:
+        layer_of(module)  # raises KeyError for a module outside every layer
+
+
+def test_the_core_imports_one_way_without_cycles():
+    assert violations(SOURCES) == []
+
+
+def test_only_comm_calls_collectives():
+    offenders = [
+        module
+        for module, (text, _) in SOURCES.items()
+        if module.split(".")[0] not in MAY_CALL_COLLECTIVES and COLLECTIVE.search(text)
+    ]
+    assert offenders == []
+
+
+def test_the_engine_never_names_the_plugin_layer():
+    """Not even in a string or a comment-free annotation: the engine reaches plugins only
+    through the port (``engine/port.py``) that ``fully_shard`` hands it."""
+    for module, (text, _) in SOURCES.items():
+        if module.split(".")[0] in ("comm", "engine"):
+            assert "hyperfsdp_core.plugin" not in text and "..plugin" not in text, module
+
+
+# -- the checker fails where it must (synthetic packages) ---------------------------------------
+
+ENGINE = "from ..comm.collectives import Comm\n"
+PLUGIN = "from ..engine.state import UnitState\n"
+
+
+def _with(extra: dict[str, str]) -> dict[str, tuple[str, bool]]:
+    base = {
+        "comm": ("", True),
+        "comm.collectives": ("", False),
+        "engine": ("", True),
+        "engine.state": (ENGINE, False),
+        "plugin": ("", True),
+        "plugin.views": (PLUGIN, False),
+    }
+    base.update({m: (text, False) for m, text in extra.items()})
+    return base
+
+
+def test_a_clean_synthetic_package_passes():
+    assert violations(_with({})) == []
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "from ..plugin.views import ParamView\n",
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..plugin import views\n",
+        "def f():\n    from ..plugin.views import ParamView\n    return ParamView\n",
+        "import hyperfsdp_core.plugin.views\n",
+    ],
+    ids=["module-level", "type-checking", "in-a-function", "absolute"],
+)
+def test_a_back_edge_fails(text):
+    found = violations(_with({"engine.synthetic": text}))
+    assert found and all(
+        re.fullmatch(r"back edge: engine\.synthetic \(layer 2\) imports plugin\S* \(layer 3\)", f)
+        for f in found
+    ), found
+
+
+def test_a_cycle_within_a_layer_fails():
+    found = violations(
+        _with(
+            {
+                "engine.a": "from . import b\n",
+                "engine.b": "def f():\n    from .a import x\n",
+            }
+        )
+    )
+    assert len(found) == 1 and found[0].startswith("cycle: engine.")
+    assert "engine.a" in found[0] and "engine.b" in found[0]
+
+
+def test_a_module_outside_every_layer_is_named():
+    with pytest.raises(KeyError):
+        layer_of("bench")
+    assert layer_of("engine.state") == 2 and layer_of("") == 4
