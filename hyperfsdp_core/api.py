@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ._torch_private import expose_fsdp2_state
-from .comm.collectives import Comm
+from .comm import Comm
 from .comm.exit import install_exit_drain
 from .engine.extension import initial_local
 from .engine.mesh_info import check_mesh_device, mesh_device

@@ -67,7 +67,7 @@ class FSDPModule:
             return UnshardHandle() if async_op else None
         state.ensure_storage()
         if state.comm is None:
-            from .comm.collectives import Comm
+            from .comm import Comm
 
             state.comm = Comm(state.device)
             state.comm.provisional = True  # the root's lazy init replaces it

@@ -75,7 +75,7 @@ def test_world_one_has_no_collectives(run_ranks):
 
 
 def test_storage_pool_parks_and_hands_back_memory():
-    from hyperfsdp_core.comm.collectives import StoragePool
+    from hyperfsdp_core.comm import StoragePool
 
     pool = StoragePool(max_idle=1)
     a, b = torch.arange(6.0), torch.zeros(6)

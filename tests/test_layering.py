@@ -166,7 +166,7 @@ def test_the_engine_never_names_the_plugin_layer():
 
 # -- the checker fails where it must (synthetic packages) ---------------------------------------
 
-ENGINE = "from ..comm.collectives import Comm\n"
+ENGINE = "from ..comm import Comm\n"
 PLUGIN = "from ..engine.state import UnitState\n"
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm.collectives import READY, Comm, Handle, Transport
+from ..comm import READY, Comm, Handle, Transport
 from .buffers import alias, alloc, free, standalone
 from .layout import pack_segments
 from .mesh_info import MeshInfo

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from .._torch_private import dtensor_local_tensor
-from ..comm.collectives import Comm
+from ..comm import Comm
 from .bucket import Bucket, ShardedState
 from .buffers import free
 from .extension import pre_arity

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ..comm.collectives import READY, Comm, Handle
+from ..comm import READY, Comm, Handle
 from .divide import Divisors, gradient_divisors
 from .layout import Segment, pack_segments
 from .param import ShardedParam

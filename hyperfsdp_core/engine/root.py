@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._torch_private import queue_end_of_backward_callback
-from ..comm.collectives import Comm, PluginComm
+from ..comm import Comm, PluginComm
 from .port import RootHooks
 from .stash import Stash
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from ..comm.collectives import Comm
+from ..comm import Comm
 from .port import PluginPort
 from .root import RootContext, finish_reductions
 from .spec import UnitSpec

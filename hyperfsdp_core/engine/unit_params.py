@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..comm.collectives import Comm, Transport, compose_transport
+from ..comm import Comm, Transport, compose_transport
 from . import held as _held
 from .bucket import Bucket, ShardedState
 from .param import ShardedParam

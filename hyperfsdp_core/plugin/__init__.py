@@ -28,8 +28,7 @@ refuses to load it on a mismatch.
   ``all_reduce_divisor``).
 """
 
-from ..comm.collectives import PluginComm, Transport, Work
-from ..comm.records import CollectiveEvent
+from ..comm import CollectiveEvent, PluginComm, Transport, Work
 from ..engine.mesh_info import (
     MeshInfo,
     ProcessGroupCache,

@@ -26,8 +26,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from ..comm.collectives import Transport
-    from ..comm.records import CollectiveEvent
+    from ..comm import CollectiveEvent, Transport
     from ..engine.mesh_info import MeshInfo
     from ..engine.records import ParamLayout, ShardedStorage
     from ..engine.reduction import Reduction

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..engine.stash import Stash
 
 if TYPE_CHECKING:
-    from ..comm.collectives import PluginComm
+    from ..comm import PluginComm
     from ..engine.mesh_info import MeshInfo
     from ..engine.param import ShardedParam
     from ..engine.root import RootContext
