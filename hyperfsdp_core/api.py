@@ -19,6 +19,7 @@ from .comm import Comm
 from .comm.exit import install_exit_drain
 from .engine.extension import initial_local
 from .engine.mesh_info import check_mesh_device, mesh_device
+from .engine.options import UnitOptions
 from .engine.param import ShardedParam
 from .engine.pipelining import StageReduceView
 from .engine.spec import UnitSpec
@@ -130,12 +131,9 @@ def fully_shard(
         if not isinstance(reshard_after_forward, bool) and isinstance(reshard_after_forward, int):
             group.post_forward_size = reshard_after_forward
             group.apply_settings()
-    UnitState(
-        modules,
-        group,
-        device,
-        reshard_after_forward,
-        DISPATCH,
+    options = UnitOptions(
+        reshard_after_forward=True if reshard_after_forward is None else reshard_after_forward,
+        auto_reshard_after_forward=reshard_after_forward is None,
         mp_policy=mp_policy,
         offload_policy=offload_policy,
         # the call's options for hooks asked again later (dtypes after a conversion),
@@ -143,6 +141,7 @@ def fully_shard(
         unit_spec=attrs.evolve(unit, named_params=(), replicate_params=frozenset()),
         unit_fqns=tuple(fqn for fqn, _ in named),
     )
+    UnitState(modules, group, device, options, DISPATCH)
     for m in modules:
         # torch.distributed.pipelining reads a stage's FSDP2 state (see engine/pipelining.py)
         expose_fsdp2_state(m, StageReduceView(m))

@@ -104,18 +104,11 @@ class FSDPModule:
         inside a backward, the drain does not reduce these units again; after it, or
         called twice, nothing is reduced twice. Collective: call it on every rank.
         """
-        from .engine.state import reduce_grads
+        from .engine.drain import reduce_grads
 
         reduce_grads(self._fsdp_states(recurse))
 
     # -- options ----------------------------------------------------------------------------------
-    def _tree_settings(self) -> Any:
-        """Where tree-wide settings live: the root's context after lazy init (so that a
-        call on any unit of the tree acts on the whole tree, as FSDP2's shared state
-        context does), this unit's state before it (the root's is then taken over)."""
-        state = self._fsdp_state()
-        return state.ctx if state.ctx is not None else state
-
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Whether the next backward is the last before the optimizer step (the whole tree).
 
@@ -124,39 +117,42 @@ class FSDPModule:
         follows for the next backward (pipeline schedules: several forwards, then their
         backwards).
         """
-        self._tree_settings().is_last_backward = is_last_backward
+        self._fsdp_state().set_tree_setting("is_last_backward", is_last_backward)
 
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
     ) -> None:
         for state in self._fsdp_states(recurse):
-            state.requires_gradient_sync = requires_gradient_sync
-            state.requires_all_reduce = requires_gradient_sync
+            state.set_options(
+                requires_gradient_sync=requires_gradient_sync,
+                requires_all_reduce=requires_gradient_sync,
+            )
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         for state in self._fsdp_states(recurse):
-            state.requires_all_reduce = requires_all_reduce
+            state.set_options(requires_all_reduce=requires_all_reduce)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
         for state in self._fsdp_states(recurse):
-            state.reshard_after_forward = reshard_after_forward
-            state.auto_reshard_after_forward = False
+            state.set_options(
+                reshard_after_forward=reshard_after_forward, auto_reshard_after_forward=False
+            )
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
     ) -> None:
         for state in self._fsdp_states(recurse):
-            state.reshard_after_backward = reshard_after_backward
+            state.set_options(reshard_after_backward=reshard_after_backward)
 
     def set_modules_to_forward_prefetch(self, modules: Sequence[FSDPModule]) -> None:
         _check_fsdp_modules(modules)
-        self._fsdp_state().forward_prefetch = [m._fsdp_state() for m in modules]
+        self._fsdp_state().set_options(forward_prefetch=tuple(m._fsdp_state() for m in modules))
 
     def set_modules_to_backward_prefetch(self, modules: Sequence[FSDPModule]) -> None:
         _check_fsdp_modules(modules)
-        self._fsdp_state().backward_prefetch = [m._fsdp_state() for m in modules]
+        self._fsdp_state().set_options(backward_prefetch=tuple(m._fsdp_state() for m in modules))
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide reduced gradients by ``factor`` instead of the data-parallel size.
@@ -179,15 +175,15 @@ class FSDPModule:
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
     ) -> None:
         for state in self._fsdp_states(recurse):
-            state.reduce_scatter_unused_params = reduce_scatter_unused_params
+            state.set_options(reduce_scatter_unused_params=reduce_scatter_unused_params)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
-        self._fsdp_state().unshard_in_backward = unshard_in_backward
+        self._fsdp_state().set_options(unshard_in_backward=unshard_in_backward)
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """Make the root's next all-gathers wait on ``event`` instead of the whole stream
         (the whole tree, whichever unit it is called on)."""
-        self._tree_settings().post_optim_event = event
+        self._fsdp_state().set_tree_setting("post_optim_event", event)
 
     def set_all_reduce_hook(self, hook, *, stream=None) -> None:
         """Call ``hook(reduce_output)`` on each reduced gradient before it is applied.
@@ -239,7 +235,7 @@ class FSDPModule:
         if max_input_buffers < 1:
             raise ValueError(f"max_input_buffers must be >= 1, got {max_input_buffers}")
         for state in self._fsdp_states(recurse):
-            state.max_reduce_buffers = max_input_buffers
+            state.set_options(max_reduce_buffers=max_input_buffers)
 
     def _set_group_option(self, name: str, value) -> None:
         group = self._fsdp_state().group

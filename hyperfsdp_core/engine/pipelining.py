@@ -28,6 +28,8 @@ from typing import Any
 
 from torch import nn
 
+from .drain import reduce_grads
+
 
 class StageReduceView:
     """The object ``torch.distributed.fsdp.fully_shard.state(unit)`` returns for a hyperfsdp
@@ -48,8 +50,6 @@ class StageReduceView:
         return ()
 
     def _root_post_backward_final_callback(self) -> None:
-        from .state import reduce_grads
-
         state = self.module._hyperfsdp_state  # type: ignore[attr-defined]
         if state.is_root and state.ctx is not None:
             # a stage is a root: its tree's units, listed once at lazy init

@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 LOG_TRANSITIONS_ENV = "HYPERFSDP_LOG_TRANSITIONS"
 transition_logger = logging.getLogger("hyperfsdp_core.transitions")
 
+#: Settings of the whole tree of units under a root (``UnitState.set_tree_setting``).
+TREE_SETTINGS = ("is_last_backward", "post_optim_event")
+
 #: A unit of the root (``engine.state.UnitState``, the layer that creates contexts).
 Unit = Any
 
@@ -80,6 +83,10 @@ class RootContext:
                 pairs.append((state.view, state.group))
         self._unit_transports = pairs
         self.comm.add_unit_transports(pairs)
+
+    def set_tree_setting(self, name: str, value: Any) -> None:
+        assert name in TREE_SETTINGS
+        setattr(self, name, value)
 
     def use_hooks(self, hooks: RootHooks) -> None:
         """The root's resolved plugin hooks: finalization phases and collective observers."""

@@ -1,79 +1,31 @@
-"""Per-unit hook state machine: forward/backward hooks, lazy init, root finalization.
-
-States (RFC section 3): ``IDLE -> PRE_FORWARD -> FORWARD -> PRE_BACKWARD -> BACKWARD``.
-Every change goes through :meth:`UnitState._transition` against :data:`TRANSITIONS`,
-so re-entry (activation-checkpoint recomputation, several outputs, list units)
-is explicit and idempotent rather than scattered over flags.
+"""One unit's hooks: the forward and backward hooks of a ``fully_shard`` call, driving its
+parameters through the state machine of ``lifecycle.py`` (RFC section 3:
+``IDLE -> PRE_FORWARD -> FORWARD -> PRE_BACKWARD -> BACKWARD``). A root's lazy init is in
+``lazy_init.py``, its end-of-backward drain in ``drain.py``.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..comm import Comm
+from .drain import drain
+from .lazy_init import init_root
+from .lifecycle import TRANSITIONS, TrainingState
+from .options import UnitOptions
 from .port import PluginPort
-from .root import RootContext, finish_reductions
-from .spec import UnitSpec
+from .root import TREE_SETTINGS, RootContext, finish_reductions
 from .stash import Stash
 from .storage import announce_reset, rebuild_storage
 from .unit_params import UnitParams
 
-
-class TrainingState(enum.Enum):
-    IDLE = "IDLE"
-    PRE_FORWARD = "PRE_FORWARD"
-    FORWARD = "FORWARD"
-    PRE_BACKWARD = "PRE_BACKWARD"
-    BACKWARD = "BACKWARD"
-
-    def __str__(self) -> str:
-        return self.value
-
-
 S = TrainingState
-#: event -> {from state: to state}. A pair not listed is a bug and raises.
-TRANSITIONS: dict[str, dict[TrainingState, TrainingState]] = {
-    "forward_pre": {
-        S.IDLE: S.PRE_FORWARD,
-        S.FORWARD: S.PRE_FORWARD,  # reentrant recomputation, or a unit called twice
-        S.BACKWARD: S.PRE_FORWARD,  # called again after its backward in one iteration
-        S.PRE_FORWARD: S.PRE_FORWARD,  # next module of a list unit
-        S.PRE_BACKWARD: S.PRE_BACKWARD,  # non-reentrant recomputation: idempotent
-    },
-    "forward_post": {
-        S.PRE_FORWARD: S.FORWARD,
-        S.PRE_BACKWARD: S.PRE_BACKWARD,  # non-reentrant recomputation: idempotent
-    },
-    "backward_pre": {
-        S.FORWARD: S.PRE_BACKWARD,
-        S.BACKWARD: S.PRE_BACKWARD,  # outputs of a second call of the unit
-        S.PRE_FORWARD: S.PRE_BACKWARD,  # list unit whose forward is still open
-        # a further backward through a graph the root drain already finished
-        # (retain_graph=True: a second loss on one forward; or the graph a create_graph
-        # backward built): re-gathers, and its gradients accumulate on the sharded ones
-        S.IDLE: S.PRE_BACKWARD,
-    },
-    "post_backward": {
-        S.PRE_BACKWARD: S.BACKWARD,
-        S.FORWARD: S.BACKWARD,  # gradients reached the inputs without an output hook
-        S.PRE_FORWARD: S.BACKWARD,  # list unit called piecewise (chunked loss)
-        # not run in this backward: reached only to reduce unused params, or to reduce
-        # gradients that arrived without the unit's hooks (FSDPModule.reduce_grads(), the
-        # root drain after a create_graph graph reached the parameters directly)
-        S.IDLE: S.BACKWARD,
-        # post-backward already ran: FSDPModule.reduce_grads() (or the root drain after a
-        # create_graph backward) reduces what arrived or was kept since
-        S.BACKWARD: S.BACKWARD,
-    },
-}
-# The root drain (and FSDPModule.reduce_grads() outside a backward) then returns every unit
-# to IDLE from whatever state it finds (``UnitState._end_unit``).
 
 
 class RegisterPostBackward(torch.autograd.Function):
@@ -111,17 +63,13 @@ class UnitState:
         modules: tuple[nn.Module, ...],
         group: UnitParams | None,
         device: torch.device,
-        reshard_after_forward: bool | int | None,
+        options: UnitOptions,
         port: PluginPort,
-        *,
-        mp_policy=None,
-        offload_policy=None,
-        unit_spec: UnitSpec | None = None,
-        unit_fqns: tuple[str, ...] = (),
     ) -> None:
         self.modules = modules
         self.group = group
         self.device = device
+        self.options = options  # replaced, never changed (set_options)
         self.port = port  # the plugin layer: views and resolved hooks (``port``)
         self.stash = Stash()  # plugins' per-unit data (UnitView.stash)
         self.param_views = tuple(p.view for p in group.params) if group is not None else ()
@@ -130,27 +78,10 @@ class UnitState:
         self.is_root: bool | None = None
         self.fqn = ""
         self.training_state = S.IDLE
-        # options (FSDPModule setters change them)
-        self.auto_reshard_after_forward = reshard_after_forward is None
-        self.reshard_after_forward: bool | int = (
-            True if reshard_after_forward is None else reshard_after_forward
-        )
-        self.reshard_after_backward = True
-        self.requires_gradient_sync = True
-        self.requires_all_reduce = True
-        self.reduce_scatter_unused_params = False
-        self.unshard_in_backward = True
-        self.forward_prefetch: list[UnitState] | None = None
-        self.backward_prefetch: list[UnitState] | None = None
-        self.max_reduce_buffers = 1
         # tree-wide settings: the root's values seed its context at lazy init; after it,
         # FSDPModule setters write the context (RootContext.is_last_backward, ...)
         self.is_last_backward = True
         self.post_optim_event = None
-        self.mp_policy = mp_policy
-        self.unit_spec = unit_spec  # fully_shard's options (no parameters)
-        self.unit_fqns = unit_fqns  # group.params' FQNs relative to the unit
-        self.offload_policy = offload_policy
         self.comm: Comm | None = None  # set at lazy init (or by share_comm_ctx)
         # resolved at lazy init from plugins
         self.input_transforms: tuple[Callable, ...] = ()
@@ -192,79 +123,66 @@ class UnitState:
             ctx.record(self.fqn, event, str(old), str(new))
         return new
 
-    def _log(self, event: str) -> None:
+    def log(self, event: str) -> None:
         ctx = self.ctx
         if ctx is not None and ctx.transition_log is not None:
             ctx.record(self.fqn, event, str(self.training_state), str(self.training_state))
 
-    # -- lazy init ----------------------------------------------------------------------------
+    # -- lazy init (``lazy_init.py``) -------------------------------------------------------------
     def lazy_init(self) -> RootContext:
         """At the first forward: this unit becomes the root of every unit below it."""
+        return self.ctx if self.ctx is not None else init_root(self)
+
+    def adopt_registered_params(self, param_fqns: dict[int, str]) -> None:
+        """Name the parameters as the root names them; train with what is registered now (a
+        list unit's modules converted since, or a parameter re-assigned since fully_shard,
+        e.g. a DTensor computed from the sharded one, or materialized from meta), as FSDP2."""
+        group = self.group
+        if group is None:
+            return
+        for p in group.params:
+            p.fqn = param_fqns.get(id(p.registered()), p.fqn)
+        if self.needs_reset or any(p.registered() is not p.sharded_param for p in group.params):
+            self.needs_reset = False  # rebuilt here, not again at its pre-forward
+            self.reset_sharded_params()
+
+    def join_root(self, ctx: RootContext, fqn: str) -> None:
+        """Become a unit of ``ctx``'s root, named ``fqn`` (its module names in the root)."""
+        self.ctx = ctx
+        self.is_root = ctx.root is self
+        if self.comm is not None and self.comm is not ctx.comm:
+            self.comm.trim()  # a private one from an unshard() before the first forward
+        self.comm = ctx.comm
+        self.fqn = fqn
+
+    def prepare_for_root(self) -> None:
+        """Plans and resolved hooks, once every unit of the root has joined it."""
+        if self.group is not None:
+            self.group.backward_active = self.ctx.backward_active
+            self.prepare_group()
+        forward = self.port.forward_hooks(self.view)
+        self.input_transforms = forward.inputs
+        self.output_transforms = forward.outputs
+        if self.is_root and self.options.auto_reshard_after_forward:
+            self.set_options(reshard_after_forward=False)  # the root keeps its parameters
+
+    def set_options(self, **changes: Any) -> None:
+        """Change options (``FSDPModule`` setters): a new record, the old one untouched."""
+        self.options = attrs.evolve(self.options, **changes)
+
+    def restore_options(self, options: UnitOptions) -> None:
+        self.options = options
+
+    def set_tree_setting(self, name: str, value: Any) -> None:
+        """A tree-wide setting (``is_last_backward``, ``post_optim_event``): the root's
+        context's after lazy init (a call on any unit acts on the whole tree, as FSDP2's
+        shared state context does), this unit's before it (the root's seeds its context)."""
+        if name not in TREE_SETTINGS:
+            raise AttributeError(f"not a tree-wide setting: {name!r}")
         if self.ctx is not None:
-            return self.ctx
-        if len(self.modules) != 1:
-            raise RuntimeError(
-                "hyperfsdp: the first forward must run through the root module, not a list "
-                "unit; apply fully_shard to the model's top module last"
-            )
-        root_module = self.modules[0]
-        states: list[UnitState] = []
-        seen: set[int] = set()
-        module_names: dict[int, list[str]] = {}
-        for name, module in root_module.named_modules():
-            state = getattr(module, "_hyperfsdp_state", None)
-            if state is None:
-                continue
-            module_names.setdefault(id(state), []).append(name)
-            if id(state) in seen:
-                continue
-            if state is not self and state.ctx is not None:
-                raise RuntimeError(
-                    f"hyperfsdp: unit {name!r} was already initialized as part of another root; "
-                    "run the first forward through the top module"
-                )
-            seen.add(id(state))
-            states.append(state)
-        # a tied parameter is named as named_parameters() names it: by its first alias
-        param_fqns = {id(p): n for n, p in root_module.named_parameters()}
-        for state in states:
-            group = state.group
-            if group is None:
-                continue
-            for p in group.params:
-                p.fqn = param_fqns.get(id(p.registered()), p.fqn)
-            if state.needs_reset or any(
-                p.registered() is not p.sharded_param for p in group.params
-            ):
-                # a list unit's modules converted since (to_empty, to), or
-                # a parameter re-assigned since fully_shard (e.g. a DTensor computed from
-                # the sharded one, or materialized from meta): train with it, as FSDP2 does
-                state.needs_reset = False  # rebuilt here, not again at its pre-forward
-                state.reset_sharded_params()
-        check_materialized(states)
-        comm = (
-            self.comm if self.comm is not None and not self.comm.provisional else Comm(self.device)
-        )
-        ctx = RootContext(self, states, comm)
-        for state in states:
-            state.ctx = ctx
-            state.is_root = state is self
-            if state.comm is not None and state.comm is not comm:
-                state.comm.trim()  # a private one from an unshard() before the first forward
-            state.comm = comm
-            state.fqn = ", ".join(module_names[id(state)])
-        in_backward = ctx.backward_active
-        for state in states:
-            if state.group is not None:
-                state.group.backward_active = in_backward
-                state.prepare_group()
-            forward = state.port.forward_hooks(state.view)
-            state.input_transforms = forward.inputs
-            state.output_transforms = forward.outputs
-        if self.auto_reshard_after_forward:
-            self.reshard_after_forward = False
-        ctx.use_hooks(self.port.root_hooks(ctx.view))
-        return ctx
+            self.ctx.set_tree_setting(name, value)
+        else:
+            setattr(self, name, value)
 
     def prepare_group(self) -> None:
         """Per-unit plans built once the storage exists (lazy init, and after a rebuild):
@@ -305,7 +223,11 @@ class UnitState:
 
     def reset_sharded_params(self) -> None:
         """Rebuild the unit's storage around its registered parameters (see ``storage``)."""
-        if rebuild_storage(self.group, self.unit_spec, self.unit_fqns, self.port) and self.ctx:
+        options = self.options
+        if (
+            rebuild_storage(self.group, options.unit_spec, options.unit_fqns, self.port)
+            and self.ctx
+        ):
             self.prepare_group()
         announce_reset(self.group, self.port)
 
@@ -368,7 +290,7 @@ class UnitState:
         return tree_map(to_device, args), tree_map(to_device, kwargs)
 
     def _forward_prefetch(self, ctx: RootContext) -> None:
-        targets = self.forward_prefetch
+        targets = self.options.forward_prefetch
         if targets is None:
             nxt = ctx.next_in_forward.get(self)
             targets = [nxt] if nxt is not None else ()
@@ -438,7 +360,7 @@ class UnitState:
         self._transition("forward_post")
         if self.group is not None and not ctx.in_backward:
             # a create_graph graph still reads the unsharded parameters: keep them
-            raf = self.reshard_after_forward if not ctx.graph_holds_params else False
+            raf = self.options.reshard_after_forward if not ctx.graph_holds_params else False
             if raf is True:
                 self.group.reshard()
             else:
@@ -490,20 +412,20 @@ class UnitState:
         self._transition("backward_pre")
         ctx.begin_backward()
         group = self.group
-        if group is not None and self.unshard_in_backward:
+        if group is not None and self.options.unshard_in_backward:
             group.unshard(self.comm)
-        if self.is_root and self.backward_prefetch is None and self.can_defer_prefetch:
+        if self.is_root and self.options.backward_prefetch is None and self.can_defer_prefetch:
             # The root's backward (loss, output head) is where activation memory peaks:
             # prefetch once its first gradient is accumulated, past that peak.
             self.deferred_prefetch = True
         else:
             self._backward_prefetch(ctx)
-        if group is not None and self.unshard_in_backward:
+        if group is not None and self.options.unshard_in_backward:
             group.wait_for_unshard(self.comm)
         return grad
 
     def _backward_prefetch(self, ctx: RootContext) -> None:
-        targets = self.backward_prefetch
+        targets = self.options.backward_prefetch
         if targets is None:
             if not self.post_forward_indices:
                 return
@@ -519,7 +441,7 @@ class UnitState:
             # earlier microbatch) must not be gathered again: nothing would free it
             if (
                 target.group is not None
-                and target.unshard_in_backward
+                and target.options.unshard_in_backward
                 and target is not self
                 and target.training_state is not S.BACKWARD
             ):
@@ -539,7 +461,9 @@ class UnitState:
         if not force:
             if state is S.BACKWARD:
                 return
-            if state is S.IDLE and not (group is not None and self.reduce_scatter_unused_params):
+            if state is S.IDLE and not (
+                group is not None and self.options.reduce_scatter_unused_params
+            ):
                 return
         self._transition("post_backward")
         if group is None:
@@ -559,15 +483,17 @@ class UnitState:
             self._check_grads_not_differentiable()
         # Free the unsharded parameters first (their gradients are separate tensors), so
         # they are not held while the reduce-scatter buffers are allocated.
-        if reshard and self.reshard_after_backward:
+        if reshard and self.options.reshard_after_backward:
             group.reshard()
-        if self.requires_gradient_sync:
+        if self.options.requires_gradient_sync:
             # RFC 6.3: wait for the earlier units' reduce-scatters (at most
             # max_reduce_buffers - 1 stay in flight), issue ours, and only then finish the
             # earlier ones: their reducers' data-parallel all-reduces are issued after our
             # reduce-scatter, never queued ahead of it.
-            earlier = ctx.wait_reductions(keep=self.max_reduce_buffers - 1)
-            reductions = group.reduce(self.comm, include_unused=self.reduce_scatter_unused_params)
+            earlier = ctx.wait_reductions(keep=self.options.max_reduce_buffers - 1)
+            reductions = group.reduce(
+                self.comm, include_unused=self.options.reduce_scatter_unused_params
+            )
             if reductions:
                 ctx.add_reductions(self, reductions)
             for state, reds in earlier:
@@ -589,42 +515,16 @@ class UnitState:
                 )
 
     def root_post_backward(self) -> None:
-        """End-of-backward callback of the root: finish every unit, then run the phases.
+        """End-of-backward callback of the root (``drain.py``)."""
+        drain(self.ctx)
 
-        It drains unconditionally (RFC 3.1, 6.2): after every backward, whatever
-        ``set_is_last_backward`` says, every reduction launched in it has been applied
-        and every unit is back to IDLE.
-        """
-        ctx = self.ctx
-        assert ctx is not None
-        states = ctx.states
-        logging_on = ctx.transition_log is not None
-        if logging_on:
-            for state in states:
-                state._log("root_backward_enter")
-        try:
-            force = ctx.graph_live  # reductions were deferred to here (see post_backward)
-            for state in reversed(states):
-                state.post_backward(force)
-            ctx.run_phases()
-        finally:  # even if a phase raised, the next iteration starts from IDLE
-            self._end_iteration(ctx, logging_on)
-
-    def _end_iteration(self, ctx: RootContext, logging_on: bool) -> None:
-        keep_unsharded = ctx.graph_holds_params
-        for state in ctx.states:
-            if logging_on:
-                state._log("root_backward_exit")
-            state._end_unit(keep_unsharded)
-        ctx.end_backward(ctx.is_last_backward)
-
-    def _end_unit(self, keep_unsharded: bool = False) -> None:
+    def end_unit(self, keep_unsharded: bool = False) -> None:
         self.training_state = S.IDLE
         self.modules_to_run.clear()
         self.deferred_prefetch = False
         group = self.group
         if group is not None:
-            if group.has_pending or (self.reshard_after_backward and not keep_unsharded):
+            if group.has_pending or (self.options.reshard_after_backward and not keep_unsharded):
                 group.reshard()  # also drops prefetched gathers nobody consumed
             elif group.is_unsharded:
                 group.hold()  # kept: dropped before an optimizer steps
@@ -645,45 +545,3 @@ class UnitState:
                 state.group.reshard()
                 for p in state.group.params:
                     p.clear_iteration_grads()
-
-
-def check_materialized(states: list[UnitState]) -> None:
-    """Fail a forward whose units still have parameters on the meta device, naming them."""
-    on_meta = [
-        p.fqn
-        for state in states
-        if state.group is not None
-        for b in state.group.buckets
-        if b.sharded_flat is not None and b.sharded_flat.is_meta
-        for p in b.params
-    ]
-    if on_meta:
-        raise RuntimeError(
-            f"hyperfsdp: {len(on_meta)} sharded parameter(s) are still on the meta device at "
-            f"the first forward: {', '.join(on_meta)}. Materialize them before training: "
-            "model.to_empty(device=...) allocates every shard on a real device, then "
-            "initialize the values (e.g. call reset_parameters() on each module, or load a "
-            "checkpoint)"
-        )
-
-
-def reduce_grads(states: list[UnitState]) -> None:
-    """Reduce what ``states`` hold now (``FSDPModule.reduce_grads``); see its docstring."""
-    ctx = states[0].ctx
-    if ctx is None:  # before the first forward no unit can hold a gradient
-        return
-    saved = [(s, s.requires_gradient_sync, s.requires_all_reduce) for s in states]
-    try:
-        # the explicit request to synchronise: reduce over the whole data-parallel group
-        for s in states:
-            s.requires_gradient_sync = s.requires_all_reduce = True
-        for s in reversed(states):
-            s.post_backward(force=True)
-        ctx.run_phases()
-    finally:
-        for s, sync, all_reduce in saved:
-            s.requires_gradient_sync, s.requires_all_reduce = sync, all_reduce
-    if not ctx.in_backward:  # inside a backward, the root drain ends the iteration
-        keep_unsharded = ctx.graph_holds_params
-        for s in states:
-            s._end_unit(keep_unsharded)

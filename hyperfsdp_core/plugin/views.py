@@ -181,24 +181,24 @@ class UnitView:
 
     @property
     def mp_policy(self):
-        return self._hyperfsdp_state.mp_policy
+        return self._hyperfsdp_state.options.mp_policy
 
     @property
     def offload_policy(self):
-        return self._hyperfsdp_state.offload_policy
+        return self._hyperfsdp_state.options.offload_policy
 
     @property
     def requires_gradient_sync(self) -> bool:
-        return self._hyperfsdp_state.requires_gradient_sync
+        return self._hyperfsdp_state.options.requires_gradient_sync
 
     @property
     def requires_all_reduce(self) -> bool:
         """``set_requires_all_reduce``: whether replicate-group all-reduces run now."""
-        return self._hyperfsdp_state.requires_all_reduce
+        return self._hyperfsdp_state.options.requires_all_reduce
 
     @property
     def reshard_after_forward(self) -> bool | int:
-        return self._hyperfsdp_state.reshard_after_forward
+        return self._hyperfsdp_state.options.reshard_after_forward
 
     @property
     def root(self) -> RootView | None:
