@@ -12,6 +12,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 from .._torch_private import queue_end_of_backward_callback
 from ..comm import Comm, PluginComm
@@ -137,6 +138,36 @@ class RootContext:
         transition_logger.info("%s %s: %s -> %s", fqn or "<root>", event, old, new)
 
     # -- forward ------------------------------------------------------------------------------
+    def begin_forward(self, root: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``root`` (a unit) starts this iteration's forward: the optimizer step is ordered
+        before its all-gathers; its tensor inputs move to the device, as FSDP2 does."""
+        self.iter_forward_root = root
+        ctx = self
+        event, ctx.post_optim_event = ctx.post_optim_event, None
+        comm = ctx.comm
+        if comm.is_cpu:
+            comm.resume_parking()  # this forward's reshards park their memory
+            return args, kwargs
+        # The optimizer step must finish before all-gathers read the sharded params: with
+        # ``set_post_optim_event``, only the work before that event. This forward's
+        # all-gathers into fresh memory then wait for nothing else (``gathers_ordered``).
+        if event is not None:
+            comm.all_gather_stream.wait_event(event)
+        else:
+            comm.all_gather_stream.wait_stream(comm.current_stream())
+        comm.gathers_ordered = True
+        # As FSDP2 does: move the forward's tensor inputs to the device.
+        device = root.device
+
+        def to_device(x):
+            return (
+                x.to(device, non_blocking=True)
+                if isinstance(x, torch.Tensor) and x.device != device
+                else x
+            )
+
+        return tree_map(to_device, args), tree_map(to_device, kwargs)
+
     def end_forward(self) -> None:
         """The iteration's forward root finished its forward."""
         # Communication buffers are reused within a pass (units of one pass mostly share

@@ -12,15 +12,15 @@ from typing import Any
 import attrs
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..comm import Comm
-from .drain import drain
+from .autograd import register_post_backward, register_pre_backward
+from .backward import BackwardHooks
 from .lazy_init import init_root
 from .lifecycle import TRANSITIONS, TrainingState
 from .options import UnitOptions
 from .port import PluginPort
-from .root import TREE_SETTINGS, RootContext, finish_reductions
+from .root import TREE_SETTINGS, RootContext
 from .stash import Stash
 from .storage import announce_reset, rebuild_storage
 from .unit_params import UnitParams
@@ -28,34 +28,7 @@ from .unit_params import UnitParams
 S = TrainingState
 
 
-class RegisterPostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs whose backward runs the unit's post-backward."""
-
-    @staticmethod
-    def forward(ctx, state: UnitState, *inputs: torch.Tensor):  # type: ignore[override]
-        ctx.state = state
-        return inputs
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        state = ctx.state
-        root = state.ctx
-        if root is not None and not root.in_backward:
-            # No unit's output-gradient hook ran in this backward (a list unit's module
-            # called on its own, e.g. a chunked loss's head): it still ends with the root
-            # drain, so the gradients land on .grad when it returns, as in FSDP2.
-            root.begin_backward()
-        state.post_backward()
-        return (None, *grads)
-
-
-def _grad_tensors(tree: Any) -> tuple[list[Any], Any, list[int]]:
-    leaves, spec = tree_flatten(tree)
-    idx = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
-    return leaves, spec, idx
-
-
-class UnitState:
+class UnitState(BackwardHooks):
     """One ``fully_shard`` call: its modules, parameter group, hooks and options."""
 
     def __init__(
@@ -243,8 +216,7 @@ class UnitState:
                 self.group.wait_for_unshard(self.comm)
             return self._transform_inputs(args, kwargs)
         if ctx.iter_forward_root is None and not ctx.in_backward:
-            ctx.iter_forward_root = self
-            args, kwargs = self._root_pre_forward(ctx, args, kwargs)
+            args, kwargs = ctx.begin_forward(self, args, kwargs)
         first_in_pass = self.training_state is not S.PRE_FORWARD
         self._transition("forward_pre")
         self.prefetched = False
@@ -260,34 +232,8 @@ class UnitState:
         if first_in_pass and not ctx.in_backward:
             ctx.forward_order.append(self)
         if first_in_pass and group is not None and torch.is_grad_enabled():
-            args, kwargs = self._register_post_backward(args, kwargs)
+            args, kwargs = register_post_backward(self, args, kwargs)
         return self._transform_inputs(args, kwargs)
-
-    def _root_pre_forward(self, ctx: RootContext, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        event, ctx.post_optim_event = ctx.post_optim_event, None
-        comm = ctx.comm
-        if comm.is_cpu:
-            comm.resume_parking()  # this forward's reshards park their memory
-            return args, kwargs
-        # The optimizer step must finish before all-gathers read the sharded params: with
-        # ``set_post_optim_event``, only the work before that event. This forward's
-        # all-gathers into fresh memory then wait for nothing else (``gathers_ordered``).
-        if event is not None:
-            comm.all_gather_stream.wait_event(event)
-        else:
-            comm.all_gather_stream.wait_stream(comm.current_stream())
-        comm.gathers_ordered = True
-        # As FSDP2 does: move the forward's tensor inputs to the device.
-        device = self.device
-
-        def to_device(x):
-            return (
-                x.to(device, non_blocking=True)
-                if isinstance(x, torch.Tensor) and x.device != device
-                else x
-            )
-
-        return tree_map(to_device, args), tree_map(to_device, kwargs)
 
     def _forward_prefetch(self, ctx: RootContext) -> None:
         targets = self.options.forward_prefetch
@@ -319,25 +265,6 @@ class UnitState:
             output = fn(output)
         return output
 
-    def _register_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
-            # the common case (positional tensors only) without a pytree round trip
-            idx = [i for i, a in enumerate(args) if a.requires_grad]
-            if not idx:
-                return args, kwargs
-            outs = RegisterPostBackward.apply(self, *(args[i] for i in idx))
-            new = list(args)
-            for i, t in zip(idx, outs):
-                new[i] = t
-            return tuple(new), kwargs
-        leaves, spec, idx = _grad_tensors((args, kwargs))
-        if not idx:
-            return args, kwargs
-        outs = RegisterPostBackward.apply(self, *(leaves[i] for i in idx))
-        for i, t in zip(idx, outs):
-            leaves[i] = t
-        return tree_unflatten(leaves, spec)
-
     def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         ctx = self.ctx
         assert ctx is not None
@@ -351,7 +278,7 @@ class UnitState:
                     ctx.comm.gathers_ordered = False  # until the next root pre-forward
                 return self._transform_output(output)
         self._complete_forward(ctx)
-        output = self._register_pre_backward(output)
+        output = register_pre_backward(self.backward_pre_hook, output)
         if ctx.iter_forward_root is self:
             self._root_post_forward(ctx, output)
         return self._transform_output(output)
@@ -385,149 +312,11 @@ class UnitState:
                 # when the root output's gradient arrives.
                 state.modules_to_run.clear()
                 state._complete_forward(ctx)
-                state._register_pre_backward(output)
+                register_pre_backward(state.backward_pre_hook, output)
             elif state.prefetched:
                 state.prefetched = False
                 state.group.reshard()  # prefetched, but not run this iteration
         ctx.end_forward()
-
-    def _register_pre_backward(self, output: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return output
-        if isinstance(output, torch.Tensor):  # the common case, without a pytree walk
-            if output.requires_grad:
-                output.register_hook(self.backward_pre_hook)
-            return output
-        leaves, _, idx = _grad_tensors(output)
-        for i in idx:
-            leaves[i].register_hook(self.backward_pre_hook)
-        return output
-
-    # -- backward -----------------------------------------------------------------------------
-    def pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
-        if self.training_state is S.PRE_BACKWARD:
-            return grad
-        ctx = self.ctx
-        assert ctx is not None
-        self._transition("backward_pre")
-        ctx.begin_backward()
-        group = self.group
-        if group is not None and self.options.unshard_in_backward:
-            group.unshard(self.comm)
-        if self.is_root and self.options.backward_prefetch is None and self.can_defer_prefetch:
-            # The root's backward (loss, output head) is where activation memory peaks:
-            # prefetch once its first gradient is accumulated, past that peak.
-            self.deferred_prefetch = True
-        else:
-            self._backward_prefetch(ctx)
-        if group is not None and self.options.unshard_in_backward:
-            group.wait_for_unshard(self.comm)
-        return grad
-
-    def _backward_prefetch(self, ctx: RootContext) -> None:
-        targets = self.options.backward_prefetch
-        if targets is None:
-            if not self.post_forward_indices:
-                return
-            index = self.post_forward_indices.pop()
-            if index == 0:
-                return
-            target = ctx.post_forward_order[index - 1]
-            if target.group is not None and not target.group.prefetch_overlaps(target.comm):
-                return  # gathered in line in its own pre-backward (see _forward_prefetch)
-            targets = [target]
-        for target in targets:
-            # a unit whose backward already ran this pass (e.g. a stale entry from an
-            # earlier microbatch) must not be gathered again: nothing would free it
-            if (
-                target.group is not None
-                and target.options.unshard_in_backward
-                and target is not self
-                and target.training_state is not S.BACKWARD
-            ):
-                if not target.group.is_unsharded:  # parked memory would idle until then
-                    ctx.comm.stop_parking()
-                target.group.unshard(target.comm)
-
-    def post_backward(self, force: bool = False) -> None:
-        """Reduce this unit's gradients and reshard; idempotent within one backward.
-
-        ``force`` (:func:`reduce_grads`, the root drain after a ``create_graph`` backward)
-        also reduces gradients that arrived since the unit's post-backward, or without
-        its hooks.
-        """
-        state = self.training_state
-        group = self.group
-        if not force:
-            if state is S.BACKWARD:
-                return
-            if state is S.IDLE and not (
-                group is not None and self.options.reduce_scatter_unused_params
-            ):
-                return
-        self._transition("post_backward")
-        if group is None:
-            return
-        ctx = self.ctx
-        assert ctx is not None
-        if ctx.graph_live and not force:
-            # a create_graph graph saved our unsharded parameters and may still add
-            # gradients to them later in this backward: the root drain reduces and reshards
-            return
-        self._reduce(ctx, reshard=not ctx.graph_holds_params)
-
-    def _reduce(self, ctx: RootContext, reshard: bool) -> None:
-        group = self.group
-        assert group is not None
-        if ctx.creates_graph:
-            self._check_grads_not_differentiable()
-        # Free the unsharded parameters first (their gradients are separate tensors), so
-        # they are not held while the reduce-scatter buffers are allocated.
-        if reshard and self.options.reshard_after_backward:
-            group.reshard()
-        if self.options.requires_gradient_sync:
-            # RFC 6.3: wait for the earlier units' reduce-scatters (at most
-            # max_reduce_buffers - 1 stay in flight), issue ours, and only then finish the
-            # earlier ones: their reducers' data-parallel all-reduces are issued after our
-            # reduce-scatter, never queued ahead of it.
-            earlier = ctx.wait_reductions(keep=self.options.max_reduce_buffers - 1)
-            reductions = group.reduce(
-                self.comm, include_unused=self.options.reduce_scatter_unused_params
-            )
-            if reductions:
-                ctx.add_reductions(self, reductions)
-            for state, reds in earlier:
-                finish_reductions(state, reds, ctx.comm)
-        else:
-            group.keep_grads()
-
-    def _check_grads_not_differentiable(self) -> None:
-        for p in self.group.params:
-            grad = p.unsharded_param.grad if p.unsharded_param is not None else None
-            if grad is not None and grad.requires_grad:
-                raise RuntimeError(
-                    f"hyperfsdp: backward(create_graph=True) gave parameter {p.fqn!r} (unit "
-                    f"{self.fqn or '<root>'!r}) a differentiable gradient; a sharded gradient is "
-                    "reduced across ranks, which autograd cannot differentiate, so higher-order "
-                    "gradients through parameter gradients are not supported. For a gradient "
-                    "penalty, differentiate with respect to activations instead: "
-                    "torch.autograd.grad(out, inputs, create_graph=True)"
-                )
-
-    def root_post_backward(self) -> None:
-        """End-of-backward callback of the root (``drain.py``)."""
-        drain(self.ctx)
-
-    def end_unit(self, keep_unsharded: bool = False) -> None:
-        self.training_state = S.IDLE
-        self.modules_to_run.clear()
-        self.deferred_prefetch = False
-        group = self.group
-        if group is not None:
-            if group.has_pending or (self.options.reshard_after_backward and not keep_unsharded):
-                group.reshard()  # also drops prefetched gathers nobody consumed
-            elif group.is_unsharded:
-                group.hold()  # kept: dropped before an optimizer steps
 
     # -- recovery -----------------------------------------------------------------------------
     def reset_iter_state(self) -> None:
