@@ -103,17 +103,17 @@ MIN_BYTES = "HYPERFSDP_GLOO_ALL_GATHER_MIN_BYTES"
 
 
 def unsharded_memory_reuse(shm):
-    from hyperfsdp_core.comm import collectives as coll
+    from hyperfsdp_core.comm import Comm
     from hyperfsdp_core.testing import shared_memory
 
-    saved_rs = coll.Comm.reduce_scatter
+    saved_rs = Comm.reduce_scatter
     rs_inputs = []
 
     def spy(self, output, input, *args, **kw):
         rs_inputs.append(input.data_ptr())
         return saved_rs(self, output, input, *args, **kw)
 
-    coll.Comm.reduce_scatter = spy
+    Comm.reduce_scatter = spy
     # hyperfsdp-shm's in-place all-gather (that of large units) for these tiny ones
     saved_min = os.environ.get(MIN_BYTES)
     os.environ[MIN_BYTES] = "0"
@@ -121,7 +121,7 @@ def unsharded_memory_reuse(shm):
         with shared_memory(shm):
             return (*_unsharded_memory_reuse(), rs_inputs[-5:-1])  # the blocks, not the root
     finally:
-        coll.Comm.reduce_scatter = saved_rs
+        Comm.reduce_scatter = saved_rs
         if saved_min is None:
             del os.environ[MIN_BYTES]
         else:
@@ -176,12 +176,12 @@ def test_one_buffer_is_handed_along_when_gathers_run_in_line(run_ranks):
 def gradients_freed_before_reduce(shm):
     import weakref
 
-    from hyperfsdp_core.comm import collectives as coll
+    from hyperfsdp_core.comm import Comm
     from hyperfsdp_core.engine.param import ShardedParam
     from hyperfsdp_core.testing import shared_memory
 
     taken, alive_at_issue = [], []
-    saved_take, saved_rs = ShardedParam.take_unsharded_grad, coll.Comm.reduce_scatter
+    saved_take, saved_rs = ShardedParam.take_unsharded_grad, Comm.reduce_scatter
 
     def take(self):
         grad = saved_take(self)
@@ -194,7 +194,7 @@ def gradients_freed_before_reduce(shm):
         taken.clear()
         return saved_rs(self, output, *args, **kw)
 
-    ShardedParam.take_unsharded_grad, coll.Comm.reduce_scatter = take, reduce_scatter
+    ShardedParam.take_unsharded_grad, Comm.reduce_scatter = take, reduce_scatter
     try:
         with shared_memory(shm):
             torch.manual_seed(0)
@@ -206,7 +206,7 @@ def gradients_freed_before_reduce(shm):
                 x, y = token_batch(step, 4, 5, 31)
                 lm_loss(model(local_slice(x)), local_slice(y)).backward()
     finally:
-        ShardedParam.take_unsharded_grad, coll.Comm.reduce_scatter = saved_take, saved_rs
+        ShardedParam.take_unsharded_grad, Comm.reduce_scatter = saved_take, saved_rs
     return alive_at_issue
 
 

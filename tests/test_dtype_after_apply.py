@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.utils.parametrize as parametrize
 from torch import nn
 
-from hyperfsdp_core.comm import collectives as _coll
+from hyperfsdp_core.comm import Comm
 from hyperfsdp_core.testing.reference import MLPStack, full, mlp_batch
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -55,7 +55,7 @@ _CONVERT = {
 # hyperfsdp's reduce-scatters are issued here (whichever transport carries them); FSDP2's
 # at torch.distributed; (owner, name, index of the input among the arguments)
 _RS_SITES = {
-    "hyperfsdp": (_coll.Comm, "reduce_scatter", 2),
+    "hyperfsdp": (Comm, "reduce_scatter", 2),
     "fsdp2": (dist, "reduce_scatter_single", 1),
 }
 

@@ -47,11 +47,11 @@ def train_on_simulator(
     - ``"early_event"``: a user error, the event recorded *before* the optimizer step;
     - ``"no_release"``: as ``"event"``, with ``Comm.release_gathered`` doing nothing.
     """
-    from hyperfsdp_core.comm import collectives as _collectives
+    from hyperfsdp_core.comm import Comm
 
-    release = _collectives.Comm.release_gathered
+    release = Comm.release_gathered
     if mode == "no_release":
-        _collectives.Comm.release_gathered = lambda self: None
+        Comm.release_gathered = lambda self: None
     try:
         with simulated_accelerator() as sim:
             torch.manual_seed(0)
@@ -121,7 +121,7 @@ def train_on_simulator(
                 "ops": sim.ops,
             }
     finally:
-        _collectives.Comm.release_gathered = release
+        Comm.release_gathered = release
 
 
 def _close(a: list[float], b: list[float], tol: float) -> bool:

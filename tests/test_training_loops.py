@@ -183,7 +183,7 @@ def explicit_reduce():
         assert_grads(model, ref, f"sync-off micro {i} reduced")
         model.reduce_grads()
         assert_grads(model, ref, f"sync-off micro {i} reduced twice")
-        assert model._hyperfsdp_state.requires_gradient_sync is False  # setting restored
+        assert model._hyperfsdp_state.options.requires_gradient_sync is False  # setting restored
     model.set_requires_gradient_sync(True)
     step(opts)
     # b: called for a unit once its backward is done (a hook on its input's gradient),
@@ -489,7 +489,7 @@ class _Logged:
 
 
 def hsdp_order():
-    from hyperfsdp_core.comm import collectives as coll
+    from hyperfsdp_core.comm import Comm
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     model, ref = pair(n_layers=3)
@@ -500,7 +500,7 @@ def hsdp_order():
     log = []
     # logged where the core issues them, whichever transport carries them (through shared
     # memory a reduce-scatter is done when issued: its handle holds no work)
-    orig_rs, orig_ar = coll.Comm.reduce_scatter, coll.Comm.all_reduce
+    orig_rs, orig_ar = Comm.reduce_scatter, Comm.all_reduce
 
     def reduce_scatter(comm, out, inp, *args, **kw):
         entry = ("rs", out.data_ptr())
@@ -516,7 +516,7 @@ def hsdp_order():
         log.append(("issue", ("ar", tensor.data_ptr())))
         return orig_ar(comm, tensor, *args, **kw)
 
-    coll.Comm.reduce_scatter, coll.Comm.all_reduce = reduce_scatter, all_reduce
+    Comm.reduce_scatter, Comm.all_reduce = reduce_scatter, all_reduce
     try:
         for i in range(2):
             log.clear()
@@ -525,7 +525,7 @@ def hsdp_order():
             lm_loss(ref(x), y).backward()
             step(opts)
     finally:
-        coll.Comm.reduce_scatter, coll.Comm.all_reduce = orig_rs, orig_ar
+        Comm.reduce_scatter, Comm.all_reduce = orig_rs, orig_ar
     assert_close_params(model, ref, atol=ATOL, rtol=RTOL)
     return log
 

@@ -10,28 +10,52 @@ from collections.abc import Sequence
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
+    from ..plugin.manager import PluginSelectionError
+    from ..plugin.versions import PluginLoadError
+
+    try:
+        pm, order_error = _load_plugin_manager()
+    except (PluginLoadError, PluginSelectionError) as exc:
+        print(f"hyperfsdp plugins: {exc}", file=sys.stderr)
+        return 1
+    _print_installed(pm)
+    if order_error is not None:
+        print("finalization order: cannot be resolved (see the error below)")
+        _print_first_result_hooks(pm)
+        _print_order_error(order_error)
+        return 1
+    print("finalization order (run by the root after every backward):")
+    owners = pm.phase_owners()
+    for i, phase in enumerate(pm.finalization_phases(), 1):
+        print(f"  {i}. {phase.name}  ({owners.get(phase.name, '?')})")
+    _print_first_result_hooks(pm)
+    return 0
+
+
+def _load_plugin_manager():
+    """The plugin manager and ``None``; where the finalization phases cannot be ordered, an
+    unsealed manager (to list what is installed) and that :class:`PhaseOrderError`. Plugins
+    that fail to load or to be selected raise."""
     from ..plugin.manager import (
-        DISABLE_AUTOLOAD_ENV,
-        PluginSelectionError,
         PluginSelectionWarning,
-        _version,
         build_unsealed_plugin_manager,
         get_plugin_manager,
     )
     from ..plugin.phases import PhaseOrderError
-    from ..plugin.versions import API_ATTRIBUTE, PluginLoadError, api_version_string
 
-    order_error = None
     try:
-        pm = get_plugin_manager()
-    except (PluginLoadError, PluginSelectionError) as exc:
-        print(f"hyperfsdp plugins: {exc}", file=sys.stderr)
-        return 1
+        return get_plugin_manager(), None
     except PhaseOrderError as exc:
-        order_error = exc  # list what is installed, then report it
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", PluginSelectionWarning)  # main() reported them
-            pm = build_unsealed_plugin_manager()
+            return build_unsealed_plugin_manager(), exc
+
+
+def _print_installed(pm) -> None:
+    """The versions, the installed plugins and the disabled ones."""
+    from ..plugin.manager import DISABLE_AUTOLOAD_ENV, _version
+    from ..plugin.versions import API_ATTRIBUTE, api_version_string
+
     infos = pm.plugin_infos()
     width = max(len(i.name) for i in infos)
     dwidth = max(len(i.distribution) for i in infos)
@@ -56,30 +80,24 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
                 else "(no installed plugin has this name)"
             )
             print(f"  {name.ljust(dwidth)}  {origin}")
-    if order_error is not None:
-        print("finalization order: cannot be resolved (see the error below)")
-        _print_first_result_hooks(pm)
-        print(
-            "hyperfsdp plugins: error: the plugins' finalization phases cannot be ordered; "
-            "every fully_shard call in this environment raises this until it is fixed:",
-            file=sys.stderr,
-        )
-        wrapped = textwrap.fill(
-            str(order_error),
-            width=96,
-            initial_indent="  ",
-            subsequent_indent="  ",
-            break_long_words=False,
-            break_on_hyphens=False,
-        )
-        print(wrapped, file=sys.stderr)
-        return 1
-    print("finalization order (run by the root after every backward):")
-    owners = pm.phase_owners()
-    for i, phase in enumerate(pm.finalization_phases(), 1):
-        print(f"  {i}. {phase.name}  ({owners.get(phase.name, '?')})")
-    _print_first_result_hooks(pm)
-    return 0
+
+
+def _print_order_error(error: Exception) -> None:
+    """Why the finalization phases cannot be ordered (stderr)."""
+    print(
+        "hyperfsdp plugins: error: the plugins' finalization phases cannot be ordered; "
+        "every fully_shard call in this environment raises this until it is fixed:",
+        file=sys.stderr,
+    )
+    wrapped = textwrap.fill(
+        str(error),
+        width=96,
+        initial_indent="  ",
+        subsequent_indent="  ",
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
+    print(wrapped, file=sys.stderr)
 
 
 def _print_first_result_hooks(pm) -> None:

@@ -29,23 +29,26 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _rank_main(steps: int, layers: int, dim: int, tied: bool, atol: float) -> dict:
+def _token_batch(step: int, n: int, seq: int, vocab: int):
+    """Learnable sequences: arithmetic progressions mod ``vocab`` with a random start and
+    stride; ``(inputs, targets)``."""
     import torch
-    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(step)
+    start = torch.randint(0, vocab, (n, 1), generator=g)
+    stride = torch.randint(1, 4, (n, 1), generator=g)
+    tokens = (start + stride * torch.arange(seq + 1)) % vocab
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _build_models(layers: int, dim: int, tied: bool, vocab: int):
+    """The model sharded per block and at the root, its unsharded copy (the reference) and
+    the model's unsharded parameter bytes."""
+    import torch
 
     from hyperfsdp_core import fully_shard
-    from hyperfsdp_core.testing.reference import Transformer, full, lm_loss, local_slice
+    from hyperfsdp_core.testing.reference import Transformer
 
-    def token_batch(step, n, seq, vocab):
-        # learnable sequences: arithmetic progressions mod vocab with a random start and stride
-        g = torch.Generator().manual_seed(step)
-        start = torch.randint(0, vocab, (n, 1), generator=g)
-        stride = torch.randint(1, 4, (n, 1), generator=g)
-        tokens = (start + stride * torch.arange(seq + 1)) % vocab
-        return tokens[:, :-1], tokens[:, 1:]
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    vocab, seq, batch = 503, 16, 4 * world  # vocab and MLP width not divisible by the world size
     torch.manual_seed(0)
     model = Transformer(
         vocab=vocab, dim=dim, n_layers=layers, n_heads=4, hidden=3 * dim - 5, tied=tied
@@ -55,20 +58,33 @@ def _rank_main(steps: int, layers: int, dim: int, tied: bool, atol: float) -> di
     for block in model.layers:
         fully_shard(block)
     fully_shard(model)
+    return model, ref, unsharded_bytes
+
+
+def _progress_bar(steps: int, world: int):
+    """Rank 0's progress bar, or None without tqdm (it comes with the demo extra:
+    ``pip install hyperfsdp[demo]``)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=steps, desc=f"training on {world} ranks", unit="step", file=sys.stderr)
+
+
+def _train(model, ref, steps: int, shape: tuple[int, int, int], bar) -> tuple[list, float]:
+    """Train ``model`` and ``ref`` with AdamW on the same global batches (``shape``: batch,
+    sequence, vocabulary); the losses averaged over ranks and the largest gap between
+    those and the reference's."""
+    import torch
+    import torch.distributed as dist
+
+    from hyperfsdp_core.testing.reference import lm_loss, local_slice
+
     opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=5e-3)
-    bar = None
-    if rank == 0:
-        try:  # the progress bar comes with the demo extra: pip install hyperfsdp[demo]
-            from tqdm import tqdm
-        except ImportError:
-            tqdm = None
-        if tqdm is not None:
-            bar = tqdm(total=steps, desc=f"training on {world} ranks", unit="step", file=sys.stderr)
     losses, worst_loss_gap = [], 0.0
-    start = time.perf_counter()
     for step in range(steps):
-        x, y = token_batch(step, batch, seq, vocab)
+        x, y = _token_batch(step, *shape)
         loss = lm_loss(model(local_slice(x)), local_slice(y))
         loss.backward()
         opt.step()
@@ -79,7 +95,7 @@ def _rank_main(steps: int, layers: int, dim: int, tied: bool, atol: float) -> di
         ref_opt.zero_grad()
         avg = loss.detach().clone()
         dist.all_reduce(avg)
-        avg = avg.item() / world
+        avg = avg.item() / dist.get_world_size()
         losses.append(avg)
         worst_loss_gap = max(worst_loss_gap, abs(avg - ref_loss.item()))
         if bar is not None:
@@ -87,6 +103,20 @@ def _rank_main(steps: int, layers: int, dim: int, tied: bool, atol: float) -> di
             bar.update()
     if bar is not None:
         bar.close()
+    return losses, worst_loss_gap
+
+
+def _rank_main(steps: int, layers: int, dim: int, tied: bool, atol: float) -> dict:
+    import torch.distributed as dist
+
+    from hyperfsdp_core.testing.reference import full
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    vocab, seq, batch = 503, 16, 4 * world  # vocab and MLP width not divisible by the world size
+    model, ref, unsharded_bytes = _build_models(layers, dim, tied, vocab)
+    bar = _progress_bar(steps, world) if rank == 0 else None
+    start = time.perf_counter()
+    losses, worst_loss_gap = _train(model, ref, steps, (batch, seq, vocab), bar)
     elapsed = time.perf_counter() - start
     ref_params = dict(ref.named_parameters())
     worst_param = max(

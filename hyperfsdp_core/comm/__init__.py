@@ -5,19 +5,19 @@ The only layer that calls ``torch.distributed`` collectives. A bucket asks its
 plugin supplies through ``hyperfsdp_transport``); :class:`Comm` issues them with async
 :class:`Handle` objects, accelerator streams and events, and pooled buffers;
 :class:`PluginComm` is the facade plugins use. Other layers import from this package.
+
+Modules, lowest first: ``records`` (:class:`CollectiveEvent`), ``transport`` (the seam),
+``handles`` (pending collectives), ``pools`` (CPU buffer and storage pools), ``comm``
+(:class:`Comm`, issuing), ``plugin_comm`` (:class:`PluginComm`, :data:`Work`), ``exit``
+(draining collectives at interpreter exit).
 """
 
-from .collectives import (
-    READY,
-    Comm,
-    Handle,
-    PluginComm,
-    StoragePool,
-    Transport,
-    Work,
-    compose_transport,
-)
+from .comm import Comm
+from .handles import READY, Handle
+from .plugin_comm import PluginComm, Work
+from .pools import StoragePool
 from .records import CollectiveEvent
+from .transport import Transport, compose_transport
 
 __all__ = [
     "READY",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ..comm import collectives as _coll
+from ..comm import Comm
 
 #: the core's issue points and the kind each counts as: whichever transport then carries
 #: the collective (torch.distributed's own, a plugin's such as ``hyperfsdp-shm``'s shared
@@ -53,14 +53,14 @@ class CollectiveCounter:
 
     def __enter__(self) -> CollectiveCounter:
         for method, kind in KINDS.items():
-            fn = getattr(_coll.Comm, method)
+            fn = getattr(Comm, method)
             self._orig[method] = fn
-            setattr(_coll.Comm, method, self._wrap(method, kind, fn))
+            setattr(Comm, method, self._wrap(method, kind, fn))
         return self
 
     def __exit__(self, *exc) -> None:
         for method, fn in self._orig.items():
-            setattr(_coll.Comm, method, fn)
+            setattr(Comm, method, fn)
 
     def _wrap(self, method: str, kind: str, fn):
         group_at, op_at, transport_at, custom = _PLACES[method]

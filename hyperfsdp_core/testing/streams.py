@@ -304,10 +304,10 @@ def simulated_accelerator() -> Iterator[Simulator]:
     """Every ``Comm`` made in the block runs the accelerator code path on the simulator;
     storage resizes and ``torch.empty`` are tracked as allocations (see module docstring).
     Yields the simulator (``sim.violations``: what went wrong)."""
-    from ..comm import collectives as _collectives
+    from ..comm import Comm
 
     sim = Simulator()
-    comm_init = _collectives.Comm.__init__
+    comm_init = Comm.__init__
     resize = torch.UntypedStorage.resize_
 
     def init(comm, device):
@@ -330,7 +330,7 @@ def simulated_accelerator() -> Iterator[Simulator]:
             # a storage's memory is freed by ``resize_(0)`` (tracked) or with the storage
         return out
 
-    _collectives.Comm.__init__ = init
+    Comm.__init__ = init
     torch.UntypedStorage.resize_ = tracked_resize
     # torch.distributed's own collectives, as on an accelerator: no CPU transport plugin
     # (hyperfsdp-shm reads this at each root's lazy init)
@@ -340,7 +340,7 @@ def simulated_accelerator() -> Iterator[Simulator]:
         with sim:
             yield sim
     finally:
-        _collectives.Comm.__init__ = comm_init
+        Comm.__init__ = comm_init
         torch.UntypedStorage.resize_ = resize
         _restore_env(_NATIVE_ENV, saved_env)
 
