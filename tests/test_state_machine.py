@@ -128,3 +128,60 @@ def checkpoint_parity(mode, reshard_after_forward):
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
 def test_activation_checkpointing_parity(run_ranks, mode, reshard_after_forward):
     run_ranks(2, checkpoint_parity, mode, reshard_after_forward)
+
+
+def bucket_lifecycle():
+    """A bucket's state through unshard, reshard_after_forward=<int> and reshard; a pair the
+    table does not list raises, naming the unit and the state."""
+    from hyperfsdp_core.engine.lifecycle import BUCKET_TRANSITIONS, BucketState
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    fully_shard(model[0])
+    fully_shard(model)
+    bucket = model[0]._hyperfsdp_state.group.buckets[0]
+    seen = [bucket.state]
+    handle = model[0].unshard(async_op=True)
+    seen.append(bucket.state)  # the all-gather is in flight
+    handle.wait()
+    seen.append(bucket.state)
+    model[0].reshard()
+    seen.append(bucket.state)
+    model[0].unshard(async_op=True)  # a prefetch nobody waits for: reshard abandons it
+    model[0].reshard()
+    seen.append(bucket.state)
+    try:
+        bucket._move("gathered")
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    every_state_reshards = all(
+        BUCKET_TRANSITIONS["reshard"][s] is BucketState.SHARDED for s in BucketState
+    )
+    return [str(s) for s in seen], error, every_state_reshards
+
+
+def test_bucket_lifecycle_follows_its_table(run_ranks):
+    for seen, error, every_state_reshards in run_ranks(2, bucket_lifecycle):
+        assert seen == ["sharded", "gathering", "unsharded", "sharded", "sharded"]
+        assert error is not None and "got 'gathered' in state sharded" in error
+        assert every_state_reshards
+
+
+def post_forward_lifecycle():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    fully_shard(model[0], reshard_after_forward=2)
+    fully_shard(model)
+    bucket = model[0]._hyperfsdp_state.group.buckets[0]
+    seen = []
+    model[1].register_forward_pre_hook(lambda *_: seen.append(str(bucket.state)))
+    model(torch.randn(2, 8)).sum().backward()
+    seen.append(str(bucket.state))
+    return seen
+
+
+def test_post_forward_state_between_forward_and_backward(run_ranks):
+    # world 4, the smaller group of 2: held over it between forward and backward
+    for seen in run_ranks(4, post_forward_lifecycle):
+        assert seen == ["post_forward", "sharded"]

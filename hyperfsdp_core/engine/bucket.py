@@ -3,7 +3,6 @@ buffer, one all-gather and one reduce-scatter (see ``unit_params`` for the unit)
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Callable
 from functools import partial
@@ -15,14 +14,10 @@ from torch import nn
 from ..comm import READY, Comm, Handle, Transport
 from .buffers import alias, alloc, free, standalone
 from .layout import pack_segments
+from .lifecycle import BUCKET_TRANSITIONS, BucketState
 from .mesh_info import MeshInfo
 from .param import ShardedParam, StorageOwner
 from .post_forward import PostForward
-
-
-class ShardedState(enum.Enum):
-    SHARDED = "sharded"
-    UNSHARDED = "unsharded"
 
 
 def _copy_in(src: torch.Tensor, dest: torch.Tensor) -> None:
@@ -31,8 +26,16 @@ def _copy_in(src: torch.Tensor, dest: torch.Tensor) -> None:
     dest.copy_(src)
 
 
+B = BucketState
+
+
 class Bucket:
-    """Parameters that share topology and dtypes: one all-gather, one reduce-scatter."""
+    """Parameters that share topology and dtypes: one all-gather, one reduce-scatter.
+
+    Its lifecycle is one :class:`~.lifecycle.BucketState` (``state``), changed only through
+    :meth:`_move` against ``lifecycle.BUCKET_TRANSITIONS``; the other fields are data: the
+    in-flight gather's handle (``pending``) and output awaiting copy-out (``_staging``).
+    """
 
     def __init__(self, params: list[ShardedParam], device: torch.device) -> None:
         first = params[0]
@@ -53,17 +56,14 @@ class Bucket:
         self.sharded_flat: torch.Tensor | None = None
         self.unsharded_flat: torch.Tensor | None = None
         self.unsharded_nbytes = 0  # the unsharded buffer's size, set with it
-        self.state = ShardedState.SHARDED
-        self.pending: Handle | None = None
-        self._staging: torch.Tensor | None = None
+        self.state = B.SHARDED
+        self.pending: Handle | None = None  # the all-gather in flight (GATHERING*)
+        self._staging: torch.Tensor | None = None  # its output, rank-major, to copy out
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
-        # reshard_after_forward=<int>: the smaller group, its layout (built at first use),
-        # and the post-forward shard while it is held between forward and backward
+        # reshard_after_forward=<int>: the smaller group and its layout (built at first use;
+        # its shard ``_pf.flat`` is held in POST_FORWARD)
         self.post_forward: MeshInfo | None = None
         self._pf: PostForward | None = None
-        self._post_forward_shard: torch.Tensor | None = None
-        self._post_forward_registered = False
-        self._staging_pf: PostForward | None = None  # the staging holds a post-forward gather
         self._gather_layout = (
             self.world,
             self.total,
@@ -99,6 +99,26 @@ class Bucket:
         self._gathered_memory = False
         self._pf_ready = None
 
+    def _move(self, event: str) -> None:
+        """Change ``state`` by ``event`` (``lifecycle.BUCKET_TRANSITIONS``)."""
+        try:
+            self.state = BUCKET_TRANSITIONS[event][self.state]
+        except KeyError:
+            raise RuntimeError(
+                f"hyperfsdp: a bucket of unit {self.unit_fqn!r} got {event!r} in state "
+                f"{self.state}; if a previous iteration raised, call reset_iter_state() on "
+                "the root module"
+            ) from None
+
+    @property
+    def is_gathering(self) -> bool:
+        return self.state is B.GATHERING or self.state is B.GATHERING_FROM_POST_FORWARD
+
+    @property
+    def registers_post_forward(self) -> bool:
+        """Whether the post-forward DTensors are the registered parameters."""
+        return self.state is B.POST_FORWARD or self.state is B.GATHERING_FROM_POST_FORWARD
+
     @staticmethod
     def key(p: ShardedParam) -> tuple:
         return (p.mesh_info, p.orig_dtype, p.param_dtype, p.reduce_dtype, p.extension)
@@ -133,7 +153,7 @@ class Bucket:
             return False
         if not self.needs_all_gather:
             return True
-        if self._post_forward_shard is not None and self._pf is not None:
+        if self.state is B.POST_FORWARD:
             return comm.gathers_in_line(self.pf_transport, self._pf.info.shard_group)
         return comm.gathers_in_line(self.transport, self.mesh_info.shard_group)
 
@@ -163,9 +183,8 @@ class Bucket:
         self.unsharded_flat = None
         self._gather_views = None
         self._pf = None
-        self._post_forward_shard = None
-        self._post_forward_registered = False
-        self.state = ShardedState.SHARDED
+        self.pending = self._staging = None
+        self._move("rebuild")
         self.reduce_key = None
 
     @property
@@ -297,7 +316,7 @@ class Bucket:
     # -- unshard / reshard -----------------------------------------------------------------
     @property
     def is_unsharded(self) -> bool:
-        return self.state is ShardedState.UNSHARDED
+        return self.state is B.UNSHARDED
 
     def start_unshard(self, comm: Comm) -> None:
         """Issue the all-gather (or the local cast); idempotent while unsharded or in flight."""
@@ -305,43 +324,47 @@ class Bucket:
         self._storage_pool = comm.storage_pool
         if not comm.is_cpu:
             self._comm = comm
-        if self.state is ShardedState.UNSHARDED or self.pending is not None:
+        if self.state is B.UNSHARDED or self.is_gathering:
             return
         self.init_unsharded()
-        flat = self.unsharded_flat
-        assert flat is not None and self.sharded_flat is not None
+        assert self.unsharded_flat is not None and self.sharded_flat is not None
         if not self.needs_all_gather:
             if self.needs_copy_in:
                 self._alloc_unsharded()
-                (self.fill_input or _copy_in)(self.sharded_flat, flat)
-            self.pending = READY
-            return
-        kept = self._post_forward_shard
-        if kept is not None:  # gather over the smaller group from the post-forward shard
-            self._post_forward_shard = None
-            pf = self._pf
-            assert pf is not None
-            ready, self._pf_ready = self._pf_ready, None
-            if ready is not None:  # written on the current stream by reshard_post_forward
-                comm.all_gather_stream.wait_event(ready)
-            if pf.direct:  # one dim-0 member laid out alike: straight into the buffer
-                fresh = self._alloc_unsharded(comm)
-                out = flat[: pf.info.shard_size * pf.total]
-            else:
-                out = self._staging = comm.buffer(
-                    pf.info.shard_size * pf.total, self.param_dtype, "gather", self.pf_transport
-                )
-                self._staging_pf = pf
-                fresh = True
-            self.pending = comm.all_gather(
-                out,
-                kept,
-                pf.info.shard_group,
-                self.pf_transport,
-                unit=self.unit_fqn,
-                ordered=fresh and ready is not None,
+                (self.fill_input or _copy_in)(self.sharded_flat, self.unsharded_flat)
+            handle = READY
+        elif self.state is B.POST_FORWARD:
+            handle = self._gather_post_forward_shard(comm)
+        else:
+            handle = self._gather(comm)
+        self.pending = handle  # issued: the state says so only now (a raise leaves it)
+        self._move("unshard")
+
+    def _gather_post_forward_shard(self, comm: Comm) -> Handle:
+        """The backward's all-gather over the smaller group, from the post-forward shard."""
+        pf = self._pf
+        ready, self._pf_ready = self._pf_ready, None
+        if ready is not None:  # written on the current stream by reshard_post_forward
+            comm.all_gather_stream.wait_event(ready)
+        if pf.direct:  # one dim-0 member laid out alike: straight into the buffer
+            fresh = self._alloc_unsharded(comm)
+            out = self.unsharded_flat[: pf.info.shard_size * pf.total]
+        else:
+            out = self._staging = comm.buffer(
+                pf.info.shard_size * pf.total, self.param_dtype, "gather", self.pf_transport
             )
-            return
+            fresh = True
+        return comm.all_gather(
+            out,
+            pf.flat,
+            pf.info.shard_group,
+            self.pf_transport,
+            unit=self.unit_fqn,
+            ordered=fresh and ready is not None,
+        )
+
+    def _gather(self, comm: Comm) -> Handle:
+        """The all-gather over the shard group, by the route the transport takes."""
         transport = self.transport
         group = self.mesh_info.shard_group
         route = "native"
@@ -353,27 +376,21 @@ class Bucket:
             views = self._gather_views
             if views is None:
                 views = self._gather_views = self._build_gather_views()
+            flat, unit = self.unsharded_flat, self.unit_fqn
             if views[3] is not None and route == "rows":
-                self.pending = comm.all_gather_rows(
-                    flat,
-                    views[3],
-                    self.mesh_info.shard_rank,
-                    group,
-                    transport,
-                    unit=self.unit_fqn,
-                    prepare=self._fill_own_rows,
+                rank = self.mesh_info.shard_rank
+                return comm.all_gather_rows(
+                    flat, views[3], rank, group, transport, unit=unit, prepare=self._fill_own_rows
                 )
-            else:
-                self.pending = comm.all_gather_in_place(
-                    flat, group, transport, unit=self.unit_fqn, prepare=self._fill_for_gather
-                )
-            return
+            return comm.all_gather_in_place(
+                flat, group, transport, unit=unit, prepare=self._fill_for_gather
+            )
         # the all-gather may skip waiting for the current stream in an ordered forward
         # (``Comm.gathers_ordered``) if it writes only into memory fresh from its stream
         allocates = transport is not None and transport.allocator("gather") is not None
         if self.storage_owner is StorageOwner.ALL_GATHER_OUTPUT and not allocates:
             fresh = self._alloc_unsharded(comm)
-            out = flat
+            out = self.unsharded_flat
         else:  # the unsharded buffer is allocated at copy-out, not while the gather runs
             out = self._staging = comm.buffer(
                 self.world * self.total, self.param_dtype, "gather", transport
@@ -385,39 +402,30 @@ class Bucket:
             slot = out[rank * self.total : (rank + 1) * self.total]
             prepare = partial(self.fill_input or _copy_in, inp, slot)
             inp = slot
-        self.pending = comm.all_gather(
-            out,
-            inp,
-            self.mesh_info.shard_group,
-            transport,
-            unit=self.unit_fqn,
-            prepare=prepare,
-            ordered=fresh,
+        return comm.all_gather(
+            out, inp, group, transport, unit=self.unit_fqn, prepare=prepare, ordered=fresh
         )
 
     def finish_unshard(self, comm: Comm) -> None:
         """Wait for the all-gather, copy out, and register the unsharded parameters."""
-        handle = self.pending
-        if handle is None:
+        if not self.is_gathering:
             return
-        handle.wait()
+        self.pending.wait()
         self.pending = None
         if self._staging is not None:
             self._alloc_unsharded()
-            pf, self._staging_pf = self._staging_pf, None
-            if pf is None:
+            if self.state is B.GATHERING:
                 self._copy_out(self._staging, self._gather_layout)
                 comm.recycle(self._staging, "gather", self.transport)
             else:
-                self._copy_out(self._staging, pf.gather_layout)
+                self._copy_out(self._staging, self._pf.gather_layout)
                 comm.recycle(self._staging, "gather", self.pf_transport)
             self._staging = None
         if self._pf is not None:
             free(self._pf.flat)  # a post-forward shard gathered from (or none held)
         for p in self.params:
             p.to_unsharded()
-        self._post_forward_registered = False
-        self.state = ShardedState.UNSHARDED
+        self._move("gathered")
 
     def _copy_out(self, staging: torch.Tensor, layout: tuple) -> None:
         """Rank-major gather output -> the param-major unsharded buffer.
@@ -459,7 +467,7 @@ class Bucket:
         chunks, laid out back to back as the backward's all-gather input.
         """
         info = self.post_forward
-        if info is None or self.state is not ShardedState.UNSHARDED or not self.needs_all_gather:
+        if info is None or self.state is not B.UNSHARDED or not self.needs_all_gather:
             self.reshard()
             return
         pf = self._pf
@@ -479,37 +487,31 @@ class Bucket:
                     src
                 )
         comm = self._comm
-        ready = None if comm is None else comm.current_stream().record_event()
-        self.reshard()
-        self._pf_ready = ready
+        self._pf_ready = None if comm is None else comm.current_stream().record_event()
+        self._free_unsharded()
         for p, param in zip(self.params, pf.params):
             p.to_post_forward(param)
-        self._post_forward_registered = True
-        self._post_forward_shard = pf.flat
+        self._move("reshard_post_forward")
 
     def reshard(self) -> None:
-        if self._post_forward_shard is not None:  # held, never gathered from
-            self._post_forward_shard = None
+        """Back to the sharded parameters, from any state; frees what the bucket holds."""
+        state = self.state
+        if state is B.POST_FORWARD:  # held, never gathered from
             self._pf_ready = None
             free(self._pf.flat)
-        if self.pending is not None:  # an unshard nobody waited for (e.g. a prefetch)
-            self.pending.abandon()
+        elif self.is_gathering:  # an unshard nobody waited for (e.g. a prefetch)
+            if self.pending is not None:
+                self.pending.abandon()
             self.pending = None
             self._staging = None
-            self._staging_pf = None
+            self._pf_ready = None
             if self._pf is not None:
                 free(self._pf.flat)
-        if self._post_forward_registered:
-            self._post_forward_registered = False
+        if state is not B.SHARDED and state is not B.GATHERING:  # else registered already
             for p in self.params:
                 p.to_sharded()
-        if self.state is ShardedState.SHARDED:
-            self._free_unsharded()
-            return
-        for p in self.params:
-            p.to_sharded()
         self._free_unsharded()
-        self.state = ShardedState.SHARDED
+        self._move("reshard")
 
     # -- gradients ----------------------------------------------------------------------------
     def keep_grads(self) -> None:

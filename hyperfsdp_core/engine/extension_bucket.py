@@ -42,9 +42,10 @@ from torch import nn
 
 from .._torch_private import dtensor_local_tensor
 from ..comm import Comm
-from .bucket import Bucket, ShardedState
+from .bucket import Bucket
 from .buffers import free
 from .extension import pre_arity
+from .lifecycle import BucketState
 from .param import ShardedParam
 
 
@@ -186,7 +187,8 @@ class ExtensionBucket(Bucket):
         for p in self.params:
             p.unsharded_param = None
         self.refresh_copy_in()
-        self.state = ShardedState.SHARDED
+        self.pending = self._staging = None
+        self._move("rebuild")
         self.reduce_key = None
 
     def init_unsharded(self) -> None:
@@ -239,7 +241,7 @@ class ExtensionBucket(Bucket):
                 )
 
     def start_unshard(self, comm: Comm) -> None:
-        if self.state is ShardedState.UNSHARDED or self.pending is not None:
+        if self.state is BucketState.UNSHARDED or self.is_gathering:
             return
         self._comm = comm
         payloads = self._payloads()
@@ -274,29 +276,31 @@ class ExtensionBucket(Bucket):
             if pads:
                 torch._foreach_zero_(pads)
 
-        if not self.needs_all_gather:
-            fill()
-            self.pending = _Done()
-            return
         group = self.mesh_info.shard_group
-        route = comm.gather_route_of(transport, group, world * row_bytes, True)
-        if route == "rows":
-            self.pending = comm.all_gather_rows(
+        route = "local" if not self.needs_all_gather else None
+        route = route or comm.gather_route_of(transport, group, world * row_bytes, True)
+        if route == "local":
+            fill()
+            handle = _Done()
+        elif route == "rows":
+            handle = comm.all_gather_rows(
                 staging, [rows], rank, group, transport, unit=self.unit_fqn, prepare=fill
             )
         elif route != "native":
-            self.pending = comm.all_gather_in_place(
+            handle = comm.all_gather_in_place(
                 staging, group, transport, unit=self.unit_fqn, prepare=lambda: fill(True)
             )
         else:
-            self.pending = comm.all_gather(
+            handle = comm.all_gather(
                 staging, own, group, transport, unit=self.unit_fqn, prepare=fill
             )
+        self.pending = handle
+        self._move("unshard")
 
     def finish_unshard(self, comm: Comm) -> None:
-        handle = self.pending
-        if handle is None:
+        if not self.is_gathering:
             return
+        handle = self.pending
         handle.wait()
         self.pending = None
         staging, self._staging = self._staging, None
@@ -329,7 +333,7 @@ class ExtensionBucket(Bucket):
                     )
         for p in self.params:
             p.to_unsharded()
-        self.state = ShardedState.UNSHARDED
+        self._move("gathered")
 
     # -- reshard ------------------------------------------------------------------------------
     def reshard_post_forward(self) -> None:
@@ -343,10 +347,10 @@ class ExtensionBucket(Bucket):
             self.pending = None
             self._staging = None
             self._metadata = None
-        if self.state is ShardedState.UNSHARDED:
+        if self.state is BucketState.UNSHARDED:
             for p in self.params:
                 p.to_sharded()
-            self.state = ShardedState.SHARDED
+        self._move("reshard")
         if self._members is not None:
             for m in self._members:
                 m.free()

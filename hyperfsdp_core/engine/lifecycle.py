@@ -1,8 +1,10 @@
-"""The state machines, as tables: a unit's hook states (:data:`TRANSITIONS`).
+"""The state machines, as tables: a unit's hook states (:data:`TRANSITIONS`) and a bucket's
+parameters (:data:`BUCKET_TRANSITIONS`).
 
-Every change of a unit's state goes through ``UnitState._transition`` against this table, so
-re-entry (activation-checkpoint recomputation, several outputs, list units) is explicit and
-idempotent rather than scattered over flags.
+Every change of a unit's state goes through ``UnitState._transition``, and every change of a
+bucket's through ``Bucket._move``, against these tables: re-entry (activation-checkpoint
+recomputation, several outputs, list units, prefetches nobody consumed) is explicit and a pair
+not listed raises, rather than being scattered over flags.
 """
 
 from __future__ import annotations
@@ -59,3 +61,39 @@ TRANSITIONS: dict[str, dict[TrainingState, TrainingState]] = {
 }
 # The root drain (and FSDPModule.reduce_grads() outside a backward) then returns every unit
 # to IDLE from whatever state it finds (``UnitState._end_unit``).
+
+
+class BucketState(enum.Enum):
+    """Which parameters a bucket has registered, and what it holds (``engine/bucket.py``)."""
+
+    #: the sharded DTensors; only the sharded storage is held
+    SHARDED = "sharded"
+    #: ``reshard_after_forward=<int>``: the post-forward DTensors over the smaller group,
+    #: their shard held until backward gathers from it
+    POST_FORWARD = "post_forward"
+    #: an all-gather issued from the sharded storage, not waited for yet (sharded registered)
+    GATHERING = "gathering"
+    #: an all-gather issued from the post-forward shard (post-forward DTensors registered)
+    GATHERING_FROM_POST_FORWARD = "gathering_from_post_forward"
+    #: the unsharded parameters registered, their memory held
+    UNSHARDED = "unsharded"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+B = BucketState
+_ANY_TO_SHARDED = {state: B.SHARDED for state in B}
+#: event -> {from state: to state}. A pair not listed is a bug and raises.
+BUCKET_TRANSITIONS: dict[str, dict[BucketState, BucketState]] = {
+    # start_unshard (a local cast or copy completes at once, but still passes GATHERING)
+    "unshard": {B.SHARDED: B.GATHERING, B.POST_FORWARD: B.GATHERING_FROM_POST_FORWARD},
+    # finish_unshard: waited, copied out, the unsharded parameters registered
+    "gathered": {B.GATHERING: B.UNSHARDED, B.GATHERING_FROM_POST_FORWARD: B.UNSHARDED},
+    # reshard_post_forward: keep the chunks over the smaller group for backward
+    "reshard_post_forward": {B.UNSHARDED: B.POST_FORWARD},
+    # reshard: from anywhere (a prefetch nobody waited for is abandoned)
+    "reshard": _ANY_TO_SHARDED,
+    # build_sharded: new sharded storage (load, to(), to_empty())
+    "rebuild": _ANY_TO_SHARDED,
+}

@@ -21,7 +21,8 @@ import torch
 
 from ..comm import Comm, Transport, compose_transport
 from . import held as _held
-from .bucket import Bucket, ShardedState
+from .bucket import Bucket
+from .lifecycle import BucketState
 from .param import ShardedParam
 from .reduction import Reduction, reduce_bucket
 
@@ -137,7 +138,7 @@ class UnitParams:
 
     @property
     def is_sharded(self) -> bool:
-        return all(b.state is ShardedState.SHARDED and b.pending is None for b in self.buckets)
+        return all(b.state is BucketState.SHARDED for b in self.buckets)
 
     def hold(self) -> None:
         """The unsharded parameters (or the post-forward shard) stay held past the unit's
@@ -148,7 +149,7 @@ class UnitParams:
 
     @property
     def holds_post_forward_shard(self) -> bool:
-        return any(b._post_forward_shard is not None for b in self.buckets)
+        return any(b.state is BucketState.POST_FORWARD for b in self.buckets)
 
     # -- the _held.Holdable protocol --
     def held_param_ids(self) -> set[int]:
@@ -162,7 +163,7 @@ class UnitParams:
 
     @property
     def has_pending(self) -> bool:
-        return any(b.pending is not None for b in self.buckets)
+        return any(b.is_gathering for b in self.buckets)
 
     def prefetch_overlaps(self, comm: Comm) -> bool:
         """Whether an unshard issued ahead of time overlaps communication with compute
