@@ -3,7 +3,6 @@ buffer, one all-gather and one reduce-scatter (see ``unit_params`` for the unit)
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from functools import partial
 
@@ -12,7 +11,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import READY, Comm, Handle, Transport
-from .buffers import alias, alloc, free, standalone
+from .buffers import alias, free, standalone
+from .gather_layout import copy_out, gather_views
 from .layout import pack_segments
 from .lifecycle import BUCKET_TRANSITIONS, BucketState
 from .mesh_info import MeshInfo
@@ -280,39 +280,6 @@ class Bucket:
         _, own, src, _ = self._gather_views
         torch._foreach_copy_(own, src)
 
-    def _build_gather_views(self) -> tuple[list, list, list, list | None]:
-        """Views of the unsharded buffer for the gloo all-gathers: the parts to zero,
-        this rank's parts and the shards that fill them, and -- when every member is
-        sharded on dim 0 -- each member's ``(world, rows)`` view (point-to-point)."""
-        flat, sharded = self.unsharded_flat, self.sharded_flat
-        assert flat is not None and sharded is not None
-        world, rank = self.world, self.mesh_info.shard_rank
-        zero: list[torch.Tensor] = []
-        own: list[torch.Tensor] = []
-        src: list[torch.Tensor] = []
-        rows_p2p: list[torch.Tensor] | None = []
-        for p, seg in zip(self.params, self.segments):
-            region = flat[world * seg.offset : world * (seg.offset + seg.numel)]
-            shard = sharded[seg.offset : seg.offset + seg.numel]
-            if p.shard_dim == 0:  # rank r's padded shard is row r (as in _copy_out)
-                rows = region.view(world, seg.numel)
-                own.append(rows[rank])
-                src.append(shard)
-                parts = (rows[:rank], rows[rank + 1 :])
-                if rows_p2p is not None and seg.numel:
-                    rows_p2p.append(rows)
-            else:  # chunk r of dim `dim` (even by construction)
-                lay = p.layout
-                pre = math.prod(lay.global_shape[: lay.dim])
-                post = math.prod(lay.global_shape[lay.dim + 1 :])
-                grid = region.view(pre, world, lay.chunk, post)
-                own.append(grid[:, rank])
-                src.append(shard.view(pre, lay.chunk, post))
-                parts = (grid[:, :rank], grid[:, rank + 1 :])
-                rows_p2p = None
-            zero += [t for t in parts if t.numel()]
-        return zero, own, src, rows_p2p or None
-
     # -- unshard / reshard -----------------------------------------------------------------
     @property
     def is_unsharded(self) -> bool:
@@ -375,7 +342,14 @@ class Bucket:
             self._alloc_unsharded()
             views = self._gather_views
             if views is None:
-                views = self._gather_views = self._build_gather_views()
+                views = self._gather_views = gather_views(
+                    self.params,
+                    self.segments,
+                    self.unsharded_flat,
+                    self.sharded_flat,
+                    self.world,
+                    self.mesh_info.shard_rank,
+                )
             flat, unit = self.unsharded_flat, self.unit_fqn
             if views[3] is not None and route == "rows":
                 rank = self.mesh_info.shard_rank
@@ -414,50 +388,17 @@ class Bucket:
         self.pending = None
         if self._staging is not None:
             self._alloc_unsharded()
-            if self.state is B.GATHERING:
-                self._copy_out(self._staging, self._gather_layout)
-                comm.recycle(self._staging, "gather", self.transport)
-            else:
-                self._copy_out(self._staging, self._pf.gather_layout)
-                comm.recycle(self._staging, "gather", self.pf_transport)
+            own = self.state is B.GATHERING  # else from the post-forward shard
+            layout = self._gather_layout if own else self._pf.gather_layout
+            flat = self.unsharded_flat
+            copy_out(self.params, self.segments, self.world, flat, self._staging, layout)
+            comm.recycle(self._staging, "gather", self.transport if own else self.pf_transport)
             self._staging = None
         if self._pf is not None:
             free(self._pf.flat)  # a post-forward shard gathered from (or none held)
         for p in self.params:
             p.to_unsharded()
         self._move("gathered")
-
-    def _copy_out(self, staging: torch.Tensor, layout: tuple) -> None:
-        """Rank-major gather output -> the param-major unsharded buffer.
-
-        ``layout`` is ``(ranks, total, segments, shard layouts)`` of the gather: the
-        bucket's own, or its post-forward one (fewer ranks, larger slots; a member's rows
-        then fill only the front of its padded region, the rest is never visible).
-        """
-        world, total, segments, layouts = layout
-        flat = self.unsharded_flat
-        assert flat is not None
-        src = staging.view(world, total)
-        dim0_src, dim0_sizes, dim0_out = [], [], []
-        bucket_world = self.world
-        for p, own, seg, lay in zip(self.params, self.segments, segments, layouts):
-            region = flat[bucket_world * own.offset : bucket_world * (own.offset + own.numel)]
-            if p.shard_dim == 0:
-                dim0_sizes.append(seg.numel)
-                dim0_out.append(region[: world * seg.numel].view(world, seg.numel))
-                dim0_src.append(seg)
-            else:
-                pre = math.prod(lay.global_shape[: lay.dim])
-                post = math.prod(lay.global_shape[lay.dim + 1 :])
-                part = src[:, seg.offset : seg.offset + seg.numel]
-                region.view(pre, world, lay.chunk, post).copy_(
-                    part.reshape(world, pre, lay.chunk, post).permute(1, 0, 2, 3)
-                )
-        if len(dim0_out) == len(self.params):
-            torch.split_with_sizes_copy(src, dim0_sizes, dim=1, out=dim0_out)
-        else:
-            for seg, out in zip(dim0_src, dim0_out):
-                out.copy_(src[:, seg.offset : seg.offset + seg.numel])
 
     def reshard_post_forward(self) -> None:
         """Reshard to the smaller group: keep each member's chunk over it for backward.
@@ -479,13 +420,7 @@ class Bucket:
                 dtype=self.param_dtype,
                 device=self.device,
             )
-        alloc(pf.flat)
-        for p, lay, seg in zip(self.params, pf.layouts, pf.segments):
-            if lay.actual_len:
-                src = p.unsharded_param.detach().narrow(p.shard_dim, lay.offset, lay.actual_len)
-                pf.flat[seg.offset : seg.offset + lay.actual_numel].view(lay.actual_shape).copy_(
-                    src
-                )
+        pf.keep(self.params)
         comm = self._comm
         self._pf_ready = None if comm is None else comm.current_stream().record_event()
         self._free_unsharded()

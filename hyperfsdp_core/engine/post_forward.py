@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .buffers import alias, free
+from .buffers import alias, alloc, free
 from .layout import ShardLayout, contiguous_strides, pack_segments
 from .mesh_info import MeshInfo
 from .param import placements_for
@@ -65,3 +65,14 @@ class PostForward:
                 )
                 self.params.append(nn.Parameter(dt, requires_grad=p.requires_grad))
         free(self.flat)
+
+    def keep(self, params: list[ShardedParam]) -> None:
+        """Allocate ``flat`` and copy each member's chunk over the smaller group into it,
+        from its unsharded parameter (``reshard_after_forward=<int>``)."""
+        alloc(self.flat)
+        for p, lay, seg in zip(params, self.layouts, self.segments):
+            if lay.actual_len:
+                src = p.unsharded_param.detach().narrow(p.shard_dim, lay.offset, lay.actual_len)
+                self.flat[seg.offset : seg.offset + lay.actual_numel].view(lay.actual_shape).copy_(
+                    src
+                )
