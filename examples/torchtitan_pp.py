@@ -31,7 +31,8 @@ which makes FSDP2 use PREMUL_SUM, which gloo lacks; a division by 1.0 either way
 torchtitan is not a dependency of hyperfsdp; to run this, install it next to torch without
 touching torch (``pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro
 docstring_parser typeguard``). Its expert-parallel module imports triton at import time,
-which a CPU-only torch lacks; the script stands in a stub for that one module (unused here).
+which a CPU-only torch lacks; the script stands in a stub for that one module (unused here;
+``examples/_torchtitan_cpu.py``).
 """
 
 from __future__ import annotations
@@ -39,26 +40,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import sys
-import types
 
-
-def _stub_triton_kernels() -> None:
-    """torchtitan.models.common imports the MoE token dispatcher, which imports triton
-    kernels; the dense Llama path never calls them."""
-    name = "torchtitan.distributed.minimal_async_ep.kernels"
-
-    class _Missing(types.ModuleType):
-        def __getattr__(self, attr):
-            if attr.startswith("__"):
-                raise AttributeError(attr)
-
-            def missing(*args, **kwargs):
-                raise NotImplementedError(f"{name}.{attr} needs triton")
-
-            return missing
-
-    sys.modules.setdefault(name, _Missing(name))
+from _torchtitan_cpu import stub_triton_kernels
 
 
 def build(args, fully_shard_fn):
@@ -195,7 +178,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     args = parser.parse_args()
 
-    _stub_triton_kernels()
+    stub_triton_kernels()
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
