@@ -162,10 +162,7 @@ class FSDPModule:
         """
         if factor <= 0:
             raise ValueError(f"gradient divide factor must be positive, got {factor}")
-        group = self._fsdp_state().group
-        if group is not None:
-            group.divide_factor = float(factor)
-            group.apply_settings()
+        self._set_group_option("divide_factor", float(factor))
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated FSDP2 spelling of :meth:`set_gradient_divide_factor`."""
@@ -225,8 +222,7 @@ class FSDPModule:
         """
         for state in self._fsdp_states(recurse):
             if state.group is not None:
-                state.group.separate_reduce_group = enable
-                state.group.apply_settings()
+                state.group.configure(separate_reduce_group=enable)
 
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True
@@ -240,8 +236,7 @@ class FSDPModule:
     def _set_group_option(self, name: str, value) -> None:
         group = self._fsdp_state().group
         if group is not None:
-            setattr(group, name, value)
-            group.apply_settings()
+            group.configure(**{name: value})
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Accepted for FSDP2 compatibility; it has no effect here.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -126,6 +127,46 @@ class Bucket:
     @property
     def needs_all_gather(self) -> bool:
         return self.world > 1
+
+    def configure(
+        self,
+        *,
+        unit,
+        unit_fqn: str | None,
+        mp_policy,
+        fill_input: Callable[[torch.Tensor, torch.Tensor], None] | None,
+        divide_factor: float | None,
+        all_reduce_hook: Callable[[torch.Tensor], None] | None,
+        custom_all_gather,
+        transport: Transport | None,
+        pf_transport: Transport | None,
+        reduce_group: dist.ProcessGroup | None,
+        post_forward: MeshInfo | None,
+    ) -> None:
+        """The unit's settings for this bucket (``UnitParams.apply_settings``, also after the
+        buckets are rebuilt); ``divide_factor``/``post_forward`` ``None``: unchanged."""
+        self.unit, self.unit_fqn, self.mp_policy = unit, unit_fqn, mp_policy
+        self.fill_input = fill_input
+        self.refresh_copy_in()
+        if divide_factor is not None:
+            self.divide_factor = divide_factor
+        self.all_reduce_hook = all_reduce_hook
+        self.custom_all_gather = custom_all_gather
+        self.transport, self.pf_transport = transport, pf_transport
+        self.reduce_group = reduce_group
+        if post_forward is not None and post_forward is not self.post_forward:
+            self.post_forward, self._pf = post_forward, None
+
+    def use_storage_pool(self, pool) -> None:
+        """Where reshards park the unsharded buffer's memory from now on (``share_comm_ctx``)."""
+        self._storage_pool = pool
+
+    def cached_reduce_plan(self, key: tuple, build: Callable[[Bucket], Any]) -> Any:
+        """The reduce plan ``build(self)`` made for ``key`` (the members' ``requires_grad``),
+        kept until the key changes or the storage is rebuilt."""
+        if key != self.reduce_key or self.reduce_plan is None:
+            self.reduce_plan, self.reduce_key = build(self), key
+        return self.reduce_plan
 
     def refresh_copy_in(self) -> None:
         """Whether the all-gather input (or unsharded parameter) is a copy of the sharded

@@ -233,17 +233,14 @@ class ReducePlan:
 
 def reduce_plan(bucket: Bucket) -> ReducePlan:
     """The bucket's cached plan, rebuilt when members' ``requires_grad`` changed."""
-    key = tuple(p.requires_grad for p in bucket.params)
-    if key != bucket.reduce_key or bucket.reduce_plan is None:
-        bucket.reduce_plan = ReducePlan(bucket)
-        bucket.reduce_key = key
+    plan = bucket.cached_reduce_plan(tuple(p.requires_grad for p in bucket.params), ReducePlan)
     factor = bucket.divide_factor
-    if factor != bucket.reduce_plan.divide_key:  # set_gradient_divide_factor since
-        bucket.reduce_plan.divisors = gradient_divisors(
+    if factor != plan.divide_key:  # set_gradient_divide_factor since
+        plan.divisors = gradient_divisors(
             bucket.world, bucket.mesh_info.replicate_size, bucket.reduce_dtype, factor
         )
-        bucket.reduce_plan.divide_key = factor
-    return bucket.reduce_plan
+        plan.divide_key = factor
+    return plan
 
 
 def reduce_bucket(bucket: Bucket, comm: Comm, *, include_unused: bool) -> Reduction | None:

@@ -108,7 +108,7 @@ class RootContext:
             state.comm = comm
             if state.group is not None:  # reshards park memory with the new comm
                 for bucket in state.group.buckets:
-                    bucket._storage_pool = comm.storage_pool
+                    bucket.use_storage_pool(comm.storage_pool)
         if old is not comm:
             old.trim()  # its idle buffers
 

@@ -131,7 +131,7 @@ class UnitState(BackwardHooks):
     def prepare_for_root(self) -> None:
         """Plans and resolved hooks, once every unit of the root has joined it."""
         if self.group is not None:
-            self.group.backward_active = self.ctx.backward_active
+            self.group.track_backward(self.ctx.backward_active)
             self.prepare_group()
         forward = self.port.forward_hooks(self.view)
         self.input_transforms = forward.inputs
@@ -163,8 +163,7 @@ class UnitState(BackwardHooks):
         group = self.group
         assert group is not None
         group.name_unit(self.view, self.fqn)
-        group.fill_input = self.port.all_gather_input(self.view)
-        group.apply_settings()  # asks the unit's transport
+        group.configure(fill_input=self.port.all_gather_input(self.view))  # asks the transport
         group.init_unsharded()
         hooks = self.port.gradient_hooks(self.view)
         self.reducers = hooks.reducers

@@ -90,6 +90,33 @@ class UnitParams:
         next :meth:`apply_settings`, when the unit's fqn is known)."""
         self._transport_question = question
 
+    #: Unit-level settings the ``FSDPModule`` setters (and ``fully_shard``) change.
+    SETTINGS = frozenset(
+        {
+            "divide_factor",
+            "post_forward_size",
+            "all_reduce_hook",
+            "custom_all_gather",
+            "custom_reduce_scatter",
+            "separate_reduce_group",
+            "fill_input",
+        }
+    )
+
+    def track_backward(self, active: Callable[[], bool]) -> None:
+        """``active()``: whether the unit's root is in a backward now (held parameters in
+        use; see ``held``)."""
+        self.backward_active = active
+
+    def configure(self, **changes) -> None:
+        """Change unit-level settings (:data:`SETTINGS`) and apply them to every bucket."""
+        unknown = set(changes) - self.SETTINGS
+        if unknown:
+            raise AttributeError(f"not a unit setting: {sorted(unknown)}")
+        for name, value in changes.items():
+            setattr(self, name, value)
+        self.apply_settings()
+
     def apply_settings(self) -> None:
         from .mesh_info import post_forward_mesh_info, separate_group
 
@@ -100,24 +127,26 @@ class UnitParams:
             self.custom_all_gather, self.custom_reduce_scatter, self.plugin_transport
         )
         for b in self.buckets:
-            b.unit, b.unit_fqn, b.mp_policy = self.unit, self.unit_fqn, self.mp_policy
-            b.fill_input = self.fill_input
-            b.refresh_copy_in()
-            if self.divide_factor is not None:
-                b.divide_factor = self.divide_factor
-            b.all_reduce_hook = self.all_reduce_hook
-            b.custom_all_gather = self.custom_all_gather
-            b.transport = transport
-            b.pf_transport = self.plugin_transport
-            b.reduce_group = (
-                separate_group(b.mesh_info)
-                if self.separate_reduce_group and b.needs_all_gather
-                else None
+            gathers = b.needs_all_gather
+            b.configure(
+                unit=self.unit,
+                unit_fqn=self.unit_fqn,
+                mp_policy=self.mp_policy,
+                fill_input=self.fill_input,
+                divide_factor=self.divide_factor,
+                all_reduce_hook=self.all_reduce_hook,
+                custom_all_gather=self.custom_all_gather,
+                transport=transport,
+                pf_transport=self.plugin_transport,
+                reduce_group=(
+                    separate_group(b.mesh_info) if self.separate_reduce_group and gathers else None
+                ),
+                post_forward=(
+                    post_forward_mesh_info(b.mesh_info, self.post_forward_size)
+                    if self.post_forward_size is not None and gathers
+                    else None
+                ),
             )
-            if self.post_forward_size is not None and b.needs_all_gather:
-                info = post_forward_mesh_info(b.mesh_info, self.post_forward_size)
-                if info is not b.post_forward:
-                    b.post_forward, b._pf = info, None
 
     def build_sharded(self, locals_by_param: dict[int, torch.Tensor], device: torch.device) -> None:
         """(Re)build every bucket's storage on ``device`` (meta), else where the
