@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -11,17 +10,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ._torch_private import expose_fsdp2_state
 from .comm import Comm
 from .comm.exit import install_exit_drain
 from .engine.extension import initial_local
-from .engine.mesh_info import check_mesh_device, mesh_device
+from .engine.mesh_info import MeshInfo, check_mesh_device, mesh_device
 from .engine.options import UnitOptions
 from .engine.param import ShardedParam
 from .engine.pipelining import StageReduceView
+from .engine.records import ParamLayout
 from .engine.spec import UnitSpec
 from .engine.state import UnitState
 from .engine.unit_params import UnitParams
@@ -29,8 +27,10 @@ from .module import FSDPModule, fsdp_class
 from .plugin.dispatch import DISPATCH
 from .plugin.manager import get_plugin_manager
 from .policies import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from .retired import RETIRED, install_optimizer_check
+from .state_dict import register_state_dict_hooks
 
-install_exit_drain()  # gloo workers finish with the GIL before finalization (see _exit.py)
+install_exit_drain()  # gloo workers finish with the GIL before finalization (see comm/exit.py)
 
 _DEFAULT_MP = MixedPrecisionPolicy()
 _DEFAULT_OFFLOAD = OffloadPolicy()
@@ -66,8 +66,7 @@ def fully_shard(
                 f"fully_shard was already applied to this {type(m).__name__}; "
                 "call it once per module (apply it bottom-up: submodules first, then the parent)"
             )
-    ignored = set(ignored_params or ())
-    named, registrations, sub_states = _collect_params(modules, ignored)
+    named, registrations, sub_states = _collect_params(modules, set(ignored_params or ()))
     replicate = frozenset(replicate_params or ())
     unknown = [p for p in replicate if all(p is not q for _, q in named)]
     if unknown:
@@ -88,18 +87,35 @@ def fully_shard(
         replicate_params=replicate,
         mesh_was_default=mesh_was_default,
     )
-    pm = get_plugin_manager()
-    hook = pm.hook
-    hook.hyperfsdp_validate_unit(unit=unit)
     # Decide everything before touching the module.
+    plan = _decide(unit)
+    _build(unit, plan, registrations, sub_states)
+    return module
+
+
+@attrs.frozen
+class _UnitPlan:
+    """What the plugins decided for one fully_shard call, before anything is touched:
+    the sharded storage, ``(fqn, param, mesh_info, shard_dim, layout, dtypes)`` for each
+    parameter, and the classes to mix into the modules' class."""
+
+    storage: Any
+    params: list[tuple[str, nn.Parameter, MeshInfo, int, ParamLayout, Any]]
+    mixins: tuple[type, ...]
+
+
+def _decide(unit: UnitSpec) -> _UnitPlan:
+    """Ask the plugins about ``unit``: validation, storage, each parameter, the class mixins."""
+    hook = get_plugin_manager().hook
+    hook.hyperfsdp_validate_unit(unit=unit)
     storage = hook.hyperfsdp_sharded_storage(unit=unit)
-    if storage is None and type(offload_policy) is not OffloadPolicy:
+    if storage is None and type(unit.offload_policy) is not OffloadPolicy:
         raise ImportError(
-            f"offload_policy={offload_policy!r} needs a plugin that places sharded storage "
+            f"offload_policy={unit.offload_policy!r} needs a plugin that places sharded storage "
             "(none installed answered hyperfsdp_sharded_storage): pip install hyperfsdp[offload]"
         )
-    decisions = []
-    for fqn, param in named:
+    params = []
+    for fqn, param in unit.named_params:
         mesh_info = hook.hyperfsdp_select_mesh_info(unit=unit, fqn=fqn, param=param)
         shard_dim = _shard_dim(unit, fqn, param)
         layout = hook.hyperfsdp_param_layout(
@@ -107,50 +123,57 @@ def fully_shard(
         )
         _check_even(fqn, layout.tensor, shard_dim, mesh_info.shard_size)
         dtypes = hook.hyperfsdp_param_dtypes(unit=unit, param=param) or (None, None)
-        decisions.append((fqn, param, mesh_info, shard_dim, layout, dtypes))
+        params.append((fqn, param, mesh_info, shard_dim, layout, dtypes))
     mixins: list[type] = []
     for result in hook.hyperfsdp_module_mixins(unit=unit):
         for mixin in result or ():
             if mixin not in mixins:
                 mixins.append(mixin)
+    return _UnitPlan(storage, params, tuple(mixins))
 
-    device = mesh_device(mesh)
-    hsdp_params, locals_by_param = [], {}
-    for fqn, param, mesh_info, shard_dim, layout, (param_dtype, reduce_dtype) in decisions:
+
+def _build(
+    unit: UnitSpec,
+    plan: _UnitPlan,
+    registrations: dict[int, list[tuple[nn.Module, str]]],
+    sub_states: list[Any],
+) -> None:
+    """Replace the parameters as ``plan`` says and turn ``unit.modules`` into FSDP modules."""
+    device, reshard = mesh_device(unit.mesh), unit.reshard_after_forward
+    params, locals_by_param = [], {}
+    for fqn, param, mesh_info, shard_dim, layout, (param_dtype, reduce_dtype) in plan.params:
         hp = ShardedParam(
             fqn, param, layout, registrations[id(param)], mesh_info, shard_dim, DISPATCH
         )
         hp.set_dtypes(param_dtype, reduce_dtype)
         locals_by_param[id(hp)] = _initial_local(hp, layout.tensor, device)
-        hsdp_params.append(hp)
-        _RETIRED.add(param, fqn)
-    _move_managed_buffers(modules, sub_states, device)
-    group = UnitParams(hsdp_params, device, storage, mp_policy) if hsdp_params else None
+        params.append(hp)
+        RETIRED.add(param, fqn)
+    _move_managed_buffers(unit.modules, sub_states, device)
+    group = UnitParams(params, device, plan.storage, unit.mp_policy) if params else None
     if group is not None:
-        group.build_sharded(locals_by_param, _storage_device(locals_by_param.values(), device))
-        if not isinstance(reshard_after_forward, bool) and isinstance(reshard_after_forward, int):
-            group.post_forward_size = reshard_after_forward
+        on_meta = any(t.device.type == "meta" for t in locals_by_param.values())
+        group.build_sharded(locals_by_param, torch.device("meta") if on_meta else device)
+        if not isinstance(reshard, bool) and isinstance(reshard, int):
+            group.post_forward_size = reshard
             group.apply_settings()
     options = UnitOptions(
-        reshard_after_forward=True if reshard_after_forward is None else reshard_after_forward,
-        auto_reshard_after_forward=reshard_after_forward is None,
-        mp_policy=mp_policy,
-        offload_policy=offload_policy,
+        reshard_after_forward=True if reshard is None else reshard,
+        auto_reshard_after_forward=reshard is None,
+        mp_policy=unit.mp_policy,
+        offload_policy=unit.offload_policy,
         # the call's options for hooks asked again later (dtypes after a conversion),
         # without the original parameters (their full tensors would stay alive)
         unit_spec=attrs.evolve(unit, named_params=(), replicate_params=frozenset()),
-        unit_fqns=tuple(fqn for fqn, _ in named),
+        unit_fqns=tuple(fqn for fqn, _ in unit.named_params),
     )
-    UnitState(modules, group, device, options, DISPATCH)
-    for m in modules:
+    UnitState(unit.modules, group, device, options, DISPATCH)
+    for m in unit.modules:
         # torch.distributed.pipelining reads a stage's FSDP2 state (see engine/pipelining.py)
         expose_fsdp2_state(m, StageReduceView(m))
-        m.__class__ = fsdp_class(type(m), tuple(mixins))
-        m.register_state_dict_pre_hook(_before_state_dict)
-        m.register_load_state_dict_pre_hook(_convert_before_load)
-        m.register_load_state_dict_post_hook(_reset_after_load)
-    _install_optimizer_check()
-    return module
+        m.__class__ = fsdp_class(type(m), plan.mixins)
+        register_state_dict_hooks(m)
+    install_optimizer_check()
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -257,7 +280,7 @@ def _collect_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]):
 
     for i, m in enumerate(modules):
         visit(m, f"[{i}]." if multi else "")
-    shared = [(fqn, sub_params.get(id(p)) or _RETIRED.get(p)) for fqn, p in named]
+    shared = [(fqn, sub_params.get(id(p)) or RETIRED.get(p)) for fqn, p in named]
     shared = [(fqn, other) for fqn, other in shared if other is not None]
     if shared:
         pairs = "; ".join(f"{a!r} is also {b!r} of another unit" for a, b in shared)
@@ -313,10 +336,6 @@ def _initial_local(hp: ShardedParam, tensor: torch.Tensor, device: torch.device)
     return local.to(device)
 
 
-def _storage_device(locals_: Iterable[torch.Tensor], device: torch.device) -> torch.device:
-    return torch.device("meta") if any(t.device.type == "meta" for t in locals_) else device
-
-
 def _move_managed_buffers(modules, sub_states, device) -> None:
     skip = {id(m) for s in sub_states for m in s.modules}
 
@@ -330,96 +349,6 @@ def _move_managed_buffers(modules, sub_states, device) -> None:
 
     for m in modules:
         visit(m)
-
-
-def _before_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-    state = module._hyperfsdp_state  # type: ignore[attr-defined]
-    if state.group is not None:
-        state.group.reshard()
-    get_plugin_manager().hook.hyperfsdp_state_dict_pre_save(unit=state.view)
-
-
-def _convert_before_load(module: nn.Module, state_dict, prefix: str, *args) -> None:
-    """Let plugins (and the core's default) convert incoming values of managed parameters."""
-    state = module._hyperfsdp_state  # type: ignore[attr-defined]
-    if state.group is None:
-        return
-    # the load copies into the registered parameters: the sharded ones, never unsharded
-    # copies that the next reshard would drop
-    state.group.reshard()
-    ours = {id(p.sharded_param): p for p in state.group.params}
-    convert = get_plugin_manager().hook.hyperfsdp_load_convert
-    for name, param in module.named_parameters(remove_duplicate=False):
-        p = ours.get(id(param))
-        key = prefix + name
-        if p is None or key not in state_dict:
-            continue
-        value = state_dict[key]
-        if (
-            isinstance(value, DTensor)
-            and tuple(value.placements) == p.placements
-            and value.device_mesh == p.dtensor_mesh
-        ):
-            continue
-        converted = convert(param=p.view, value=value)
-        if converted is not None:
-            state_dict[key] = converted
-
-
-def _reset_after_load(module: nn.Module, incompatible_keys) -> None:
-    state = module._hyperfsdp_state  # type: ignore[attr-defined]
-    if state.group is not None:
-        state.reset_sharded_params()
-    get_plugin_manager().hook.hyperfsdp_state_dict_post_load(unit=state.view)
-
-
-# -- optimizer built before fully_shard ------------------------------------------------------------
-
-
-class _RetiredParams:
-    """Parameters fully_shard replaced, by identity (weakly held), with their FQN."""
-
-    def __init__(self) -> None:
-        self._entries: dict[int, tuple[weakref.ref, str]] = {}
-
-    def add(self, param: nn.Parameter, fqn: str) -> None:
-        key = id(param)
-        self._entries[key] = (weakref.ref(param, lambda _, k=key: self._entries.pop(k, None)), fqn)
-
-    def get(self, param: Any) -> str | None:
-        entry = self._entries.get(id(param))
-        return entry[1] if entry is not None and entry[0]() is param else None
-
-    def __bool__(self) -> bool:
-        return bool(self._entries)
-
-
-_RETIRED = _RetiredParams()
-_optimizer_hook_installed = False
-
-
-def _install_optimizer_check() -> None:
-    """Fail an optimizer step that would update parameters fully_shard replaced."""
-    global _optimizer_hook_installed
-    if _optimizer_hook_installed:
-        return
-    _optimizer_hook_installed = True
-
-    def check(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-        if not _RETIRED:
-            return
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                fqn = _RETIRED.get(p)
-                if fqn is not None:
-                    raise RuntimeError(
-                        f"{type(optimizer).__name__} holds parameter {fqn!r} as it was before "
-                        "fully_shard replaced it with a sharded DTensor, so its step would not "
-                        "train the model. Build the optimizer after fully_shard, from "
-                        "model.parameters()"
-                    )
-
-    register_optimizer_step_pre_hook(check)
 
 
 # -- other public functions --------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """What ``torch.distributed.pipelining`` sees of a hyperfsdp stage.
 
 A pipeline schedule treats a stage as FSDP when its module is an instance of torch's
-``FSDPModule`` (every hyperfsdp unit is one: ``_module.fsdp_class``). It then drives the
+``FSDPModule`` (every hyperfsdp unit is one: ``module.fsdp_class``). It then drives the
 stage through the public methods hyperfsdp shares with FSDP2:
 
 - before each microbatch's backward: ``set_is_last_backward(False)``,

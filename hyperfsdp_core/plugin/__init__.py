@@ -1,7 +1,8 @@
 """The public API for hyperfsdp plugin authors: everything a plugin may use, nothing else.
 
 A plugin imports from here (and from ``hyperfsdp_core``'s top level), never from the
-engine's private modules (``hyperfsdp_core._*``), which change freely between releases.
+core's private modules (the sub-packages ``comm``, ``engine`` and ``cli``, and the modules
+of ``plugin`` other than this one), which change freely between releases.
 The names below are stable within a major :data:`API_VERSION`; a plugin declares the
 versions it supports in its module (``HYPERFSDP_API = ">=1.0,<2"``) and the core
 refuses to load it on a mismatch.

@@ -1,4 +1,8 @@
-"""The process-wide plugin manager, entry-point loading, API versions and phase ordering."""
+"""The process-wide plugin manager: which plugins it loads (the builtin ones, then the
+entry points, less those disabled), what it tells about them (where each came from,
+first-result hooks several answer), and the finalization phases they declare. The API
+versions a plugin is checked against live in ``versions.py``, the ordering of phases in
+``phases.py``."""
 
 from __future__ import annotations
 

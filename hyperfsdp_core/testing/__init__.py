@@ -4,7 +4,8 @@
 ``world_size`` CPU processes that share a gloo default process group, and returns
 each rank's return value. Processes are kept alive between calls. ``registered(plugin,
 name)`` registers a throwaway plugin for the duration of a ``with`` block;
-``shared_memory(enabled)`` turns the core's shared-memory collectives on or off for one.
+``shared_memory(enabled)`` turns the ``hyperfsdp-shm`` plugin's shared-memory collectives
+on or off for one.
 ``streams.simulated_accelerator()`` runs the accelerator code path on a simulated device
 that checks stream ordering.
 """
