@@ -36,6 +36,8 @@ LAYERS: dict[str, int] = {
     "plugin": 3,
     "api": 4,
     "module": 4,
+    "state_dict": 4,
+    "retired": 4,
     "": 4,  # the package's __init__: the public names
     "cli": 5,
     "testing": 5,
@@ -222,3 +224,92 @@ def test_a_module_outside_every_layer_is_named():
     with pytest.raises(KeyError):
         layer_of("bench")
     assert layer_of("engine.state") == 2 and layer_of("") == 4
+
+
+# -- state you can read: a class's fields are written by its own module -------------------------
+
+#: (module, attribute): writes the check cannot tell from a foreign field, with the reason
+NOT_FIELDS = {
+    ("engine.mesh_info", "world"): "a threading.local of its own",
+}
+
+
+def _own_fields(tree: ast.AST) -> set[str]:
+    """Fields the classes of a module define: ``self.x = ...`` in their methods, ``__slots__``."""
+    fields: set[str] = set()
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        for node in ast.walk(cls):
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, (ast.AugAssign, ast.AnnAssign))
+                else []
+            )
+            for t in targets:
+                for e in t.elts if isinstance(t, ast.Tuple) else [t]:
+                    if (
+                        isinstance(e, ast.Attribute)
+                        and isinstance(e.value, ast.Name)
+                        and e.value.id == "self"
+                    ):
+                        fields.add(e.attr)
+                if isinstance(t, ast.Name) and t.id == "__slots__":
+                    fields |= {
+                        c.value
+                        for c in ast.walk(node.value)
+                        if isinstance(c, ast.Constant) and isinstance(c.value, str)
+                    }
+    return fields
+
+
+def foreign_writes(sources: dict[str, tuple[str, bool]], scope: tuple[str, ...]) -> list[str]:
+    """Assignments in ``scope``'s modules to a field that only classes of *other* modules
+    define (``obj.field = ...`` where ``obj`` is not ``self``)."""
+    trees = {m: ast.parse(text) for m, (text, _) in sources.items() if m.split(".")[0] in scope}
+    owners: dict[str, set[str]] = {}
+    for module, tree in trees.items():
+        for field in _own_fields(tree):
+            owners.setdefault(field, set()).add(module)
+    found = []
+    for module, tree in sorted(trees.items()):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            else:
+                continue
+            for t in targets:
+                for e in t.elts if isinstance(t, ast.Tuple) else [t]:
+                    if not isinstance(e, ast.Attribute):
+                        continue
+                    if isinstance(e.value, ast.Name) and e.value.id == "self":
+                        continue
+                    where = owners.get(e.attr, set())
+                    if where and module not in where and (module, e.attr) not in NOT_FIELDS:
+                        found.append(
+                            f"{module}:{node.lineno} writes {ast.unparse(e)} "
+                            f"(a field of {', '.join(sorted(where))})"
+                        )
+    return found
+
+
+def test_no_field_is_written_by_another_module():
+    """The comm and engine layers change another module's objects only through their
+    methods (``Bucket.configure``, ``UnitState.set_options``, ``ShardedParam.rename``...)."""
+    assert foreign_writes(SOURCES, ("comm", "engine")) == []
+
+
+def test_a_foreign_write_fails():
+    sources = {
+        "engine": ("", True),
+        "engine.bucket": (
+            "class Bucket:\n    def __init__(self):\n        self.state = 1\n",
+            False,
+        ),
+        "engine.unit_params": ("def f(bucket):\n    bucket.state = 2\n", False),
+    }
+    assert foreign_writes(sources, ("engine",)) == [
+        "engine.unit_params:2 writes bucket.state (a field of engine.bucket)"
+    ]

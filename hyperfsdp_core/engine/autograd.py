@@ -15,12 +15,12 @@ class RegisterPostBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, state: Any, *inputs: torch.Tensor):  # type: ignore[override]
-        ctx.state = state
+        ctx.unit_state = state
         return inputs
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        state = ctx.state
+        state = ctx.unit_state
         root = state.ctx
         if root is not None and not root.in_backward:
             # No unit's output-gradient hook ran in this backward (a list unit's module

@@ -216,8 +216,7 @@ class Bucket:
                         p.layout.actual_len,
                         p.layout.padding_numel // p.layout.row_numel,
                     ).zero_()
-            p.padded_slot = slot
-            p.install_sharded(standalone(actual))
+            p.install_sharded(standalone(actual), slot)
         self.sharded_flat = flat
         self.refresh_copy_in()
         self._release_unsharded()  # the old unsharded buffer's memory goes with it
@@ -258,8 +257,7 @@ class Bucket:
                 view = alias(base, scale * seg.offset, p.unsharded_shape, p.unsharded_stride)
                 if p.wrap_unsharded is not None:
                     view = p.wrap_unsharded(view)
-                p.unsharded_param = nn.Parameter(view, requires_grad=p.requires_grad)
-                p.storage_owner = owner
+                p.set_unsharded(nn.Parameter(view, requires_grad=p.requires_grad), owner)
         self.unsharded_flat = base
         self.unsharded_nbytes = base.numel() * base.element_size()
         self._gather_views = None

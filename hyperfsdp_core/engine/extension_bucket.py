@@ -179,13 +179,12 @@ class ExtensionBucket(Bucket):
                 actual = padded.narrow(p.shard_dim, 0, lay.actual_len)
                 if lay.actual_len and device.type != "meta":
                     actual.copy_(local)
-                p.padded_slot = padded
-                p.install_sharded(actual)
+                p.install_sharded(actual, padded)
         self.sharded_flat = None
         self._members = None
         self._arity = None
         for p in self.params:
-            p.unsharded_param = None
+            p.set_unsharded(None)
         self.refresh_copy_in()
         self.pending = self._staging = None
         self._move("rebuild")
@@ -326,7 +325,7 @@ class ExtensionBucket(Bucket):
                     m.keep_inner(inner)
                     if p.wrap_unsharded is not None:
                         tensor = p.wrap_unsharded(tensor)
-                    p.unsharded_param = nn.Parameter(tensor, requires_grad=p.requires_grad)
+                    p.set_unsharded(nn.Parameter(tensor, requires_grad=p.requires_grad))
                 else:
                     local.fsdp_post_all_gather(
                         tuple(m.unflat), meta, p.param_dtype, out=p.unsharded_param

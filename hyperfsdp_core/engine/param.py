@@ -9,7 +9,7 @@
   flat sharded buffer; the actual shard is a prefix view of it and the padding
   (only for uneven shapes) stays zero.
 
-The flat buffers themselves belong to the :class:`~hyperfsdp_core.engine.unit_params.Bucket`.
+The flat buffers themselves belong to the :class:`~hyperfsdp_core.engine.bucket.Bucket`.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class ShardedParam:
         self.dtensor_mesh = layout.mesh
         self.placements = layout.placements
         self.wrap_unsharded = layout.wrap_unsharded
-        # FSDP2's tensor-subclass all-gather extension (``_subclass_gather.py``)
+        # FSDP2's tensor-subclass all-gather extension (``engine/extension_bucket.py``)
         self.extension = extension_of(fqn, layout.tensor, shard_dim)
         self.unwrap_grad = layout.unwrap_grad
         self.orig_dtype = param.dtype
@@ -102,6 +102,36 @@ class ShardedParam:
         self.param_dtype = param_dtype or self.orig_dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
 
+    def retype(self, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> None:
+        """The registered parameter's dtype changed (``model.to(dtype)``): it is the original
+        dtype now, the others as decided again; a gradient kept with sync off follows."""
+        self.orig_dtype = self.sharded_param.dtype
+        self.set_dtypes(param_dtype, reduce_dtype)
+        acc = self.accumulated_grad  # gradient kept with sync off, in the reduce dtype
+        if acc is not None and acc.dtype != self.reduce_dtype:
+            self.accumulated_grad = acc.to(self.reduce_dtype)
+
+    def rename(self, fqn: str) -> None:
+        """Its name relative to the root (known at the root's lazy init)."""
+        self.fqn = fqn
+
+    def land_grads_through(self, land: Callable[[Any, torch.Tensor], torch.Tensor] | None) -> None:
+        """``land(view, local)`` transforms each reduced shard before it lands
+        (``hyperfsdp_grad_landing``, resolved at lazy init)."""
+        self.land_grad = land
+
+    def adopt(self, registered: nn.Parameter) -> None:
+        """``registered`` (a load with ``assign=True``, a re-assignment) is the sharded
+        parameter from now on."""
+        self.sharded_param = registered
+
+    def set_unsharded(self, param: nn.Parameter | None, owner: StorageOwner | None = None) -> None:
+        """The unsharded parameter its bucket built (``None``: none yet), and who owns its
+        memory (unchanged when not given)."""
+        self.unsharded_param = param
+        if owner is not None:
+            self.storage_owner = owner
+
     # -- facts -------------------------------------------------------------------------------
     @property
     def needs_all_gather(self) -> bool:
@@ -121,12 +151,14 @@ class ShardedParam:
         return full.narrow(self.shard_dim, lay.offset, lay.actual_len)
 
     # -- registration on modules -------------------------------------------------------------
-    def install_sharded(self, local: torch.Tensor) -> None:
-        """Make ``sharded_param`` a DTensor around ``local`` (a view of the bucket's buffer).
+    def install_sharded(self, local: torch.Tensor, slot: torch.Tensor) -> None:
+        """Make ``sharded_param`` a DTensor around ``local`` (a view of the bucket's buffer),
+        the actual shard at the front of ``slot`` (its padded communication slot).
 
         The Parameter object stays the same across calls (optimizers hold it): the first
         call creates it, later calls swap the new contents into it.
         """
+        self.padded_slot = slot
         dt = DTensor.from_local(
             local,
             self.dtensor_mesh,

@@ -303,5 +303,5 @@ def reduce_bucket(bucket: Bucket, comm: Comm, *, include_unused: bool) -> Reduct
         recycle = None
     red = Reduction(bucket, output, handle, recycle, plan, present)
     if recycle is None:
-        handle.keepalive = pack
+        handle.keep_alive(pack)
     return red

@@ -105,10 +105,7 @@ class RootContext:
         comm.add_unit_transports(self._unit_transports)
         self.plugin_comm = PluginComm(comm)
         for state in self.states:
-            state.comm = comm
-            if state.group is not None:  # reshards park memory with the new comm
-                for bucket in state.group.buckets:
-                    bucket.use_storage_pool(comm.storage_pool)
+            state.use_comm(comm)
         if old is not comm:
             old.trim()  # its idle buffers
 
@@ -142,9 +139,8 @@ class RootContext:
         """``root`` (a unit) starts this iteration's forward: the optimizer step is ordered
         before its all-gathers; its tensor inputs move to the device, as FSDP2 does."""
         self.iter_forward_root = root
-        ctx = self
-        event, ctx.post_optim_event = ctx.post_optim_event, None
-        comm = ctx.comm
+        event, self.post_optim_event = self.post_optim_event, None
+        comm = self.comm
         if comm.is_cpu:
             comm.resume_parking()  # this forward's reshards park their memory
             return args, kwargs
@@ -155,7 +151,7 @@ class RootContext:
             comm.all_gather_stream.wait_event(event)
         else:
             comm.all_gather_stream.wait_stream(comm.current_stream())
-        comm.gathers_ordered = True
+        comm.order_gathers(True)
         # As FSDP2 does: move the forward's tensor inputs to the device.
         device = root.device
 
@@ -185,7 +181,7 @@ class RootContext:
             self.next_in_forward = {a: b for a, b in itertools.pairwise(order) if a is not b}
             self.forward_order = []
         self.iter_forward_root = None
-        self.comm.gathers_ordered = False  # until the backward (or the next forward)
+        self.comm.order_gathers(False)  # until the backward (or the next forward)
 
     # -- backward -------------------------------------------------------------------------------
     def begin_backward(self) -> None:
@@ -194,7 +190,7 @@ class RootContext:
             # the sharded parameters are as the forward read them (ordered after the
             # optimizer step by then): backward all-gathers into fresh memory wait for
             # nothing else
-            self.comm.gathers_ordered = True
+            self.comm.order_gathers(True)
             self.callback_queued = True
             queue_end_of_backward_callback(self.root.root_post_backward_hook)
             # hooks run in autograd's grad mode, which is on exactly with create_graph=True
@@ -271,7 +267,7 @@ class RootContext:
         # a standalone call of a list unit's module (a chunked-loss head) claims the
         # forward root without finishing it; the next forward starts fresh
         self.iter_forward_root = None
-        self.comm.gathers_ordered = False  # an optimizer step may come next
+        self.comm.order_gathers(False)  # an optimizer step may come next
         if is_last_backward:
             self.post_forward_order.clear()
             for state in self.states:
@@ -292,7 +288,7 @@ class RootContext:
                 reset()
         self.pending_reductions = []
         self.iter_forward_root = None
-        self.comm.gathers_ordered = False
+        self.comm.order_gathers(False)
         self.in_backward = False
         self.callback_queued = False
         self.creates_graph = False

@@ -114,7 +114,7 @@ class UnitState(BackwardHooks):
         if group is None:
             return
         for p in group.params:
-            p.fqn = param_fqns.get(id(p.registered()), p.fqn)
+            p.rename(param_fqns.get(id(p.registered()), p.fqn))
         if self.needs_reset or any(p.registered() is not p.sharded_param for p in group.params):
             self.needs_reset = False  # rebuilt here, not again at its pre-forward
             self.reset_sharded_params()
@@ -138,6 +138,14 @@ class UnitState(BackwardHooks):
         self.output_transforms = forward.outputs
         if self.is_root and self.options.auto_reshard_after_forward:
             self.set_options(reshard_after_forward=False)  # the root keeps its parameters
+
+    def use_comm(self, comm: Comm) -> None:
+        """Communicate through ``comm`` from now on (``share_comm_ctx``); reshards park
+        memory with it."""
+        self.comm = comm
+        if self.group is not None:
+            for bucket in self.group.buckets:
+                bucket.use_storage_pool(comm.storage_pool)
 
     def set_options(self, **changes: Any) -> None:
         """Change options (``FSDPModule`` setters): a new record, the old one untouched."""
@@ -168,7 +176,7 @@ class UnitState(BackwardHooks):
         hooks = self.port.gradient_hooks(self.view)
         self.reducers = hooks.reducers
         for p in group.params:
-            p.land_grad = hooks.land_grad
+            p.land_grads_through(hooks.land_grad)
         if self.is_root:
             # frozen parameters accumulate nothing (and cannot take the hook); an
             # all-gather extension's unsharded parameter is built at its first unshard
@@ -274,7 +282,7 @@ class UnitState(BackwardHooks):
             self.modules_to_run.discard(module)
             if self.modules_to_run:  # the rest of the list unit has not run yet
                 if ctx.iter_forward_root is self:  # claimed by a partial call: unordered
-                    ctx.comm.gathers_ordered = False  # until the next root pre-forward
+                    ctx.comm.order_gathers(False)  # until the next root pre-forward
                 return self._transform_output(output)
         self._complete_forward(ctx)
         output = register_pre_backward(self.backward_pre_hook, output)

@@ -77,12 +77,7 @@ def _decide_dtypes_again(spec: UnitSpec, params: list[ShardedParam], port: Plugi
     derives both from the policy and the parameter's dtype at lazy init).
     """
     for p in params:
-        param_dtype, reduce_dtype = port.param_dtypes(spec, p.sharded_param)
-        p.orig_dtype = p.sharded_param.dtype
-        p.set_dtypes(param_dtype, reduce_dtype)
-        acc = p.accumulated_grad  # gradient kept with sync off, in the reduce dtype
-        if acc is not None and acc.dtype != p.reduce_dtype:
-            p.accumulated_grad = acc.to(p.reduce_dtype)
+        p.retype(*port.param_dtypes(spec, p.sharded_param))
 
 
 def rebuild_storage(
@@ -129,7 +124,7 @@ def _rebuild(
     for p in group.params:
         registered = p.registered()
         if registered is not p.sharded_param:
-            p.sharded_param = registered
+            p.adopt(registered)
         if locals_by_param[id(p)].dtype != p.orig_dtype:
             retyped.append(p)
     if retyped:
