@@ -218,3 +218,18 @@ def test_gradients_are_freed_once_packed(run_ranks, shm):
     for alive in run_ranks(2, gradients_freed_before_reduce, shm):
         assert len(alive) == 6  # 3 units x 2 steps, each with several gradients packed
         assert alive == [0] * 6
+
+
+def test_a_pending_handle_is_not_done():
+    """``Handle.done`` is a property: a reduction recycles its pack at once only when the
+    collective really ran in line (a method object would always read as true)."""
+    from hyperfsdp_core.comm import READY, Handle
+
+    class Work:
+        def wait(self):
+            return None
+
+    pending = Handle(work=Work())
+    assert pending.done is False
+    pending.wait()
+    assert pending.done is True and READY.done is True

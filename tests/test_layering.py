@@ -7,7 +7,8 @@ Every import counts: at module level, under ``if TYPE_CHECKING:``, and inside a 
     1  comm                         how bytes move (the only layer calling collectives)
     2  engine                       parameters, buckets, reductions, the hook state machine
     3  plugin                       the public plugin API, hookspecs, manager, views, dispatch
-    4  api, module, the package     fully_shard, FSDPModule, the top-level names
+    4  api, module, state_dict,     fully_shard, FSDPModule, state-dict hooks, replaced
+       retired, the package         parameters, the top-level names
     5  cli, testing, __main__       the command, the test harness
 
 A module may import modules of a lower layer freely, and modules of its own layer

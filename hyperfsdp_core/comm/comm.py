@@ -90,13 +90,13 @@ class Comm:
             self.all_gather_stream = self._module.Stream(device=device)
             self.reduce_stream = self._module.Stream(device=device)
 
-    # -- buffers -------------------------------------------------------------------------
-
     def order_gathers(self, ordered: bool) -> None:
         """Whether the sharded parameters are ordered after the last optimizer step, so that
         all-gathers into memory fresh from their stream need not wait for the current one
         (a root's forward and backward say so; see :meth:`all_gather`'s ``ordered``)."""
         self.gathers_ordered = ordered
+
+    # -- buffers -------------------------------------------------------------------------
 
     def buffer(
         self, numel: int, dtype: torch.dtype, use: str, transport: Transport | None = None

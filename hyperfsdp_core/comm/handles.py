@@ -45,11 +45,11 @@ class Handle:
         self.keepalive = keepalive
         self._what = what  # (kind, unit, tensor, group), for a failure's note
 
-    @property
     def keep_alive(self, obj) -> None:
         """Hold ``obj`` (a buffer the collective reads) until the work is done or abandoned."""
         self.keepalive = obj
 
+    @property
     def done(self) -> bool:
         """Whether the collective has completed (it ran in line) or been waited for."""
         return self._done
