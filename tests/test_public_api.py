@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 import hyperfsdp_core
-from hyperfsdp_core import hookspecs, plugin
+from hyperfsdp_core import plugin
+from hyperfsdp_core.plugin import hookspecs
 
 ROOT = Path(__file__).resolve().parent.parent
 PUBLIC_MODULES = {

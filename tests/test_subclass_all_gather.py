@@ -24,8 +24,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
-from hyperfsdp_core.plugin import hookimpl
 from hyperfsdp_core.testing import registered, shared_memory
+from hyperfsdp_core.testing.counting import ObservedBytes, TorchCollectiveBytes
 
 aten = torch.ops.aten
 STEPS = 4
@@ -183,46 +183,6 @@ def batch(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 6, generator=g), torch.randn(n, 1, generator=g)
 
 
-class Observed:
-    def __init__(self) -> None:
-        self.bytes: collections.Counter = collections.Counter()
-
-    @hookimpl
-    def hyperfsdp_collective_observer(self, root):
-        def observe(event):
-            self.bytes[event.kind] += event.nbytes
-
-        return observe
-
-
-class GatherBytes:
-    """Output bytes of torch.distributed's all-gathers (FSDP2 calls one of these)."""
-
-    NAMES = ("all_gather_single", "all_gather_into_tensor")
-
-    def __init__(self) -> None:
-        self.bytes = 0
-        self._orig: dict = {}
-
-    def __enter__(self):
-        for name in self.NAMES:
-            fn = getattr(dist, name, None)
-            if fn is None:
-                continue
-            self._orig[name] = fn
-
-            def wrapped(output, *args, _fn=fn, **kwargs):
-                self.bytes += output.numel() * output.element_size()
-                return _fn(output, *args, **kwargs)
-
-            setattr(dist, name, wrapped)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for name, fn in self._orig.items():
-            setattr(dist, name, fn)
-
-
 @contextlib.contextmanager
 def gather_route(route: str):
     """The gloo route of the all-gathers: ``"native"`` (torch's own, the core's default),
@@ -300,7 +260,7 @@ def rank_train(
 
         unit.register_forward_pre_hook(seen)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    observed, gathered = Observed(), GatherBytes()
+    observed, gathered = ObservedBytes(), TorchCollectiveBytes()
     losses = []
     with registered(observed, "observed"), gathered, gather_route(route):
         for step in range(STEPS):
@@ -326,7 +286,7 @@ def rank_train(
         "posts": list(Split16Weight.posts),
         "unsharded_ids": {k: len(v) for k, v in unsharded_ids.items()},
         "observed_all_gather": observed.bytes["all_gather"],
-        "fsdp2_all_gather": gathered.bytes,
+        "fsdp2_all_gather": gathered.bytes["all_gather"],
     }
 
 

@@ -10,7 +10,6 @@ torchao is not a dependency of hyperfsdp: these tests run where it is installed.
 
 from __future__ import annotations
 
-import collections
 import warnings
 
 import pytest
@@ -18,53 +17,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hyperfsdp_core.plugin import hookimpl
 from hyperfsdp_core.testing import registered
+from hyperfsdp_core.testing.counting import ObservedBytes, TorchCollectiveBytes
 
 pytest.importorskip("torchao")
 
 STEPS = 4
 D_IN, HIDDEN, D_OUT = 32, 64, 16
-
-
-class Observed:
-    def __init__(self) -> None:
-        self.bytes: collections.Counter = collections.Counter()
-
-    @hookimpl
-    def hyperfsdp_collective_observer(self, root):
-        def observe(event):
-            self.bytes[event.kind] += event.nbytes
-
-        return observe
-
-
-class GatherBytes:
-    """Output bytes of torch.distributed's all-gathers (FSDP2's all-gathers)."""
-
-    NAMES = ("all_gather_single", "all_gather_into_tensor")
-
-    def __init__(self) -> None:
-        self.bytes = 0
-        self._orig: dict = {}
-
-    def __enter__(self):
-        for name in self.NAMES:
-            fn = getattr(dist, name, None)
-            if fn is None:
-                continue
-            self._orig[name] = fn
-
-            def wrapped(output, *args, _fn=fn, **kwargs):
-                self.bytes += output.numel() * output.element_size()
-                return _fn(output, *args, **kwargs)
-
-            setattr(dist, name, wrapped)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for name, fn in self._orig.items():
-            setattr(dist, name, fn)
 
 
 def build(recipe: str, rows: int) -> nn.Module:
@@ -108,7 +67,7 @@ def rank_train(engine: str, recipe: str, rows: int, world: int = 0) -> dict:
         fully_shard(model[2])
         fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    observed, gathered = Observed(), GatherBytes()
+    observed, gathered = ObservedBytes(), TorchCollectiveBytes()
     losses = []
     with registered(observed, "observed"), gathered:
         for step in range(STEPS):
@@ -135,7 +94,7 @@ def rank_train(engine: str, recipe: str, rows: int, world: int = 0) -> dict:
         "params": {n: full(p.detach()).float().clone() for n, p in model.named_parameters()},
         "local_type": type(local).__name__,
         "observed": observed.bytes["all_gather"],
-        "fsdp2": gathered.bytes,
+        "fsdp2": gathered.bytes["all_gather"],
     }
 
 

@@ -1,10 +1,16 @@
-"""Count the collectives hyperfsdp issues, where the core issues them (``Comm``)."""
+"""Count collectives: those hyperfsdp issues, where the core issues them (``Comm``:
+:class:`CollectiveCounter`), the bytes its collective observer sees (:class:`ObservedBytes`),
+and the bytes torch.distributed's own calls move (:class:`TorchCollectiveBytes`: FSDP2's, or
+what a transport really sends)."""
 
 from __future__ import annotations
+
+import collections
 
 import torch.distributed as dist
 
 from ..comm import Comm
+from ..plugin.manager import hookimpl
 
 #: the core's issue points and the kind each counts as: whichever transport then carries
 #: the collective (torch.distributed's own, a plugin's such as ``hyperfsdp-shm``'s shared
@@ -87,3 +93,58 @@ class CollectiveCounter:
 
     def sizes(self, kind: str) -> list[int]:
         return [n for k, n, _ in self.calls if k == kind]
+
+
+class ObservedBytes:
+    """A plugin (register it with :func:`hyperfsdp_core.testing.registered`) whose
+    collective observer sums the bytes of the collectives the core issues, by
+    ``CollectiveEvent.kind`` (``bytes["all_gather"]``...): the logical collectives."""
+
+    def __init__(self) -> None:
+        self.bytes: collections.Counter = collections.Counter()
+
+    @hookimpl
+    def hyperfsdp_collective_observer(self, root):
+        def observe(event):
+            self.bytes[event.kind] += event.nbytes
+
+        return observe
+
+
+class TorchCollectiveBytes:
+    """Context manager summing the bytes torch.distributed's own calls move, by kind, at
+    the calls themselves (what FSDP2 sends, or what a transport really puts on the wire).
+
+    ``calls``: ``{torch.distributed function name: (kind, index of the tensor counted)}``;
+    the default counts all-gather outputs.
+    """
+
+    ALL_GATHERS = {
+        "all_gather_single": ("all_gather", 0),
+        "all_gather_into_tensor": ("all_gather", 0),
+    }
+
+    def __init__(self, calls: dict[str, tuple[str, int]] | None = None) -> None:
+        self.calls = self.ALL_GATHERS if calls is None else calls
+        self.bytes: collections.Counter = collections.Counter()
+        self._orig: dict = {}
+
+    def __enter__(self) -> TorchCollectiveBytes:
+        for name, (kind, at) in self.calls.items():
+            fn = getattr(dist, name, None)
+            if fn is None:
+                continue
+            self._orig[name] = fn
+
+            def wrapped(*args, _fn=fn, _kind=kind, _at=at, **kwargs):
+                t = args[_at]
+                self.bytes[_kind] += t.numel() * t.element_size()
+                return _fn(*args, **kwargs)
+
+            setattr(dist, name, wrapped)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, fn in self._orig.items():
+            setattr(dist, name, fn)
+        self._orig = {}

@@ -14,8 +14,8 @@ from hyperfsdp_qcomm import QCommPolicy, dequantize_rows, error_bound, packed_si
 from hyperfsdp_qcomm.plugin import QuantizedAllGather, QuantizedReduceScatter, QuantizedTransport
 
 from hyperfsdp_core import MixedPrecisionPolicy, fully_shard
-from hyperfsdp_core.plugin import hookimpl
 from hyperfsdp_core.testing import registered
+from hyperfsdp_core.testing.counting import ObservedBytes, TorchCollectiveBytes
 from hyperfsdp_core.testing.reference import Transformer, lm_loss, local_slice
 
 TIMEOUT = 180
@@ -199,49 +199,13 @@ def batch(step: int):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-class Recorder:
-    """The core's collective observer: the logical collectives (what fp32 FSDP moves)."""
-
-    def __init__(self) -> None:
-        self.bytes: collections.Counter = collections.Counter()
-
-    @hookimpl
-    def hyperfsdp_collective_observer(self, root):
-        def observe(event):
-            self.bytes[event.kind] += event.nbytes
-
-        return observe
-
-
-class WireCounter:
-    """Counts the bytes of the torch.distributed calls the plugin makes (independently of
-    its own ``WIRE_BYTES``): the all-gather output and the all-to-all input."""
-
-    NAMES = {"all_gather_single": 0, "all_gather_into_tensor": 0, "all_to_all_single": 1}
-
-    def __init__(self) -> None:
-        self.bytes: collections.Counter = collections.Counter()
-        self._orig: dict = {}
-
-    def __enter__(self):
-        for name, arg in self.NAMES.items():
-            fn = getattr(dist, name, None)
-            if fn is None:
-                continue
-            self._orig[name] = fn
-            kind = "all_gather" if arg == 0 else "reduce_scatter"
-
-            def wrapped(*args, _fn=fn, _kind=kind, _arg=arg, **kwargs):
-                t = args[_arg]
-                self.bytes[_kind] += t.numel() * t.element_size()
-                return _fn(*args, **kwargs)
-
-            setattr(dist, name, wrapped)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for name, fn in self._orig.items():
-            setattr(dist, name, fn)
+#: the bytes of the torch.distributed calls the plugin makes (independently of its own
+#: ``WIRE_BYTES``): the all-gather output and the all-to-all input
+WIRE_CALLS = {
+    "all_gather_single": ("all_gather", 0),
+    "all_gather_into_tensor": ("all_gather", 0),
+    "all_to_all_single": ("reduce_scatter", 1),
+}
 
 
 def train(model, steps: int) -> list[float]:
@@ -269,7 +233,7 @@ def rank_train(
     all_gather, reduce_scatter, steps: int, bf16_params: bool = False, hsdp: bool = False
 ) -> dict:
     """Train the demo transformer with hyperfsdp, qcomm on (or off: both modes None)."""
-    recorder = Recorder()
+    recorder = ObservedBytes()
     hyperfsdp_qcomm.WIRE_BYTES.clear()
     torch.manual_seed(0)
     model = build()
@@ -285,7 +249,7 @@ def rank_train(
         shard(model, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
     else:
         shard(model)
-    with registered(recorder, "recorder"), WireCounter() as wire:
+    with registered(recorder, "recorder"), TorchCollectiveBytes(WIRE_CALLS) as wire:
         losses = train(model, steps)
     plugin_wire = collections.Counter()
     for (_, kind, _route), n in hyperfsdp_qcomm.WIRE_BYTES.items():
