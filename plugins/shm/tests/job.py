@@ -18,8 +18,8 @@ import torch.multiprocessing as mp
 
 
 def _rank(rank: int, world: int, store_path: str, out: str) -> None:
-    from hyperfsdp_shm import _shm
     from hyperfsdp_shm.plugin import ROOT_TRANSPORT
+    from hyperfsdp_shm.testing import created_segments
 
     from hyperfsdp_core import fully_shard
     from hyperfsdp_core.plugin import unit_of
@@ -28,15 +28,6 @@ def _rank(rank: int, world: int, store_path: str, out: str) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    created = []
-    real_open = os.open
-
-    def spy_open(path, flags, *args):
-        if flags & os.O_CREAT:
-            created.append(path)
-        return real_open(path, flags, *args)
-
-    _shm.os.open = spy_open
     roots = []
 
     def shard(model):
@@ -44,13 +35,14 @@ def _rank(rank: int, world: int, store_path: str, out: str) -> None:
             fully_shard(layer)
         roots.append(fully_shard(model))
 
-    result = train_parity(
-        lambda: MLPStack([16, 40, 33, 16]),
-        shard,
-        lambda step: mlp_batch(step, 8, 16),
-        mse_loss,
-        steps=4,
-    )
+    with created_segments() as created:
+        result = train_parity(
+            lambda: MLPStack([16, 40, 33, 16]),
+            shard,
+            lambda step: mlp_batch(step, 8, 16),
+            mse_loss,
+            steps=4,
+        )
     transport = unit_of(roots[0]).root.stash[ROOT_TRANSPORT]
     used = sum(g is not None for g in transport._shm.values())
     dist.barrier()

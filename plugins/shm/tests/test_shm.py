@@ -10,6 +10,7 @@ from datetime import timedelta
 import pytest
 import torch
 from hyperfsdp_shm import _shm
+from hyperfsdp_shm.testing import created_segments
 
 pytestmark = pytest.mark.skipif(not _shm.supported(), reason="needs Linux, x86-64 and /dev/shm")
 
@@ -200,23 +201,13 @@ def setup_with_absent_peer():
 
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=2))
     rank = dist.get_rank()
-    created = []
-    real_open = os.open
-
-    def spy_open(path, flags, *args):
-        if flags & os.O_CREAT:
-            created.append(path)
-        return real_open(path, flags, *args)
-
-    error = None
+    error, created = None, []
     if rank == 0:
-        _shm.os.open = spy_open
-        try:
-            _shm.ShmGroup.create(group, 0, 2, timedelta(seconds=2))
-        except Exception as exc:  # gloo's timeout
-            error = type(exc).__name__
-        finally:
-            _shm.os.open = real_open
+        with created_segments() as created:
+            try:
+                _shm.ShmGroup.create(group, 0, 2, timedelta(seconds=2))
+            except Exception as exc:  # gloo's timeout
+                error = type(exc).__name__
     dist.barrier()
     dist.destroy_process_group(group)
     return error, len(created), [p for p in created if os.path.exists(p)]
@@ -267,13 +258,6 @@ def setup_leaves_no_files(refuse_on_rank: int | None, how: str = "unsupported"):
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    created = []
-    real_open = os.open
-
-    def spy_open(path, flags, *args):
-        if flags & os.O_CREAT:
-            created.append(path)
-        return real_open(path, flags, *args)
 
     def full(fd, offset, length):
         raise OSError(28, "No space left on device")
@@ -284,11 +268,10 @@ def setup_leaves_no_files(refuse_on_rank: int | None, how: str = "unsupported"):
             _shm.supported = lambda: False
         else:  # its /dev/shm is full
             _shm.os.posix_fallocate = full
-    _shm.os.open = spy_open
     try:
-        transport = _shm.ShmGroup.create(None, rank, world, timedelta(seconds=30))
+        with created_segments() as created:
+            transport = _shm.ShmGroup.create(None, rank, world, timedelta(seconds=30))
     finally:
-        _shm.os.open = real_open
         _shm.supported, _shm.os.posix_fallocate = saved, saved_fallocate
     return transport is not None, [p for p in created if os.path.exists(p)], len(created)
 
