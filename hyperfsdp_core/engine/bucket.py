@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from ..comm import READY, Comm, Handle, Transport
 from .buffers import free, standalone
-from .gather_layout import copy_out, gather_views
+from .gather_layout import GatherViews, copy_out, gather_views
 from .layout import pack_segments
 from .lifecycle import BUCKET_TRANSITIONS, BucketState
 from .mesh_info import MeshInfo
@@ -85,7 +85,7 @@ class Bucket(UnshardedMemory):
         self.reduce_plan = None
         # all-gather by all-reduce (gloo): views of the unsharded buffer to zero and to
         # fill with this rank's shards, and those shards (built at first use)
-        self._gather_views: tuple[list, list, list] | None = None
+        self._gather_views: GatherViews | None = None
         # every member sharded on dim 0: this rank's part is one row of each member's
         # (world, n) view of the unsharded buffer (gathered row by row)
         self.dim0_rows = all(p.shard_dim == 0 for p in params)
@@ -114,11 +114,6 @@ class Bucket(UnshardedMemory):
     @property
     def is_gathering(self) -> bool:
         return self.state is B.GATHERING or self.state is B.GATHERING_FROM_POST_FORWARD
-
-    @property
-    def registers_post_forward(self) -> bool:
-        """Whether the post-forward DTensors are the registered parameters."""
-        return self.state is B.POST_FORWARD or self.state is B.GATHERING_FROM_POST_FORWARD
 
     @staticmethod
     def key(p: ShardedParam) -> tuple:
@@ -227,20 +222,6 @@ class Bucket(UnshardedMemory):
         self._move("rebuild")
         self.reduce_key = None
 
-    def _fill_for_gather(self) -> None:
-        """All-gather by all-reduce: this rank's shards (cast if needed) into its rows of
-        the param-major unsharded buffer, zeros everywhere else."""
-        zero, own, src, _ = self._gather_views
-        if zero:
-            torch._foreach_zero_(zero)
-        torch._foreach_copy_(own, src)
-
-    def _fill_own_rows(self) -> None:
-        """All-gather by point-to-point: this rank's shards (cast if needed) into its rows;
-        the peers' rows are received into place."""
-        _, own, src, _ = self._gather_views
-        torch._foreach_copy_(own, src)
-
     # -- unshard / reshard -----------------------------------------------------------------
     @property
     def is_unsharded(self) -> bool:
@@ -312,13 +293,13 @@ class Bucket(UnshardedMemory):
                     self.mesh_info.shard_rank,
                 )
             flat, unit = self.unsharded_flat, self.unit_fqn
-            if views[3] is not None and route == "rows":
+            if views.rows is not None and route == "rows":
                 rank = self.mesh_info.shard_rank
                 return comm.all_gather_rows(
-                    flat, views[3], rank, group, transport, unit=unit, prepare=self._fill_own_rows
+                    flat, views.rows, rank, group, transport, unit=unit, prepare=views.fill_own
                 )
             return comm.all_gather_in_place(
-                flat, group, transport, unit=unit, prepare=self._fill_for_gather
+                flat, group, transport, unit=unit, prepare=views.fill_all
             )
         # the all-gather may skip waiting for the current stream in an ordered forward
         # (``Comm.gathers_ordered``) if it writes only into memory fresh from its stream

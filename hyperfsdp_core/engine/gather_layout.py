@@ -1,5 +1,5 @@
 """Where an all-gather's rows go: the views of a bucket's unsharded buffer that the gloo
-routes gather into (:func:`gather_views`), and the copy of a rank-major gather output into
+routes gather into (:class:`GatherViews`, :func:`gather_views`), and the copy of a rank-major gather output into
 the param-major unsharded buffer (:func:`copy_out`). Pure tensor layout, no state."""
 
 from __future__ import annotations
@@ -9,6 +9,30 @@ import math
 import torch
 
 
+class GatherViews:
+    """Views of a bucket's unsharded buffer for the gloo all-gathers that write into it in
+    place: the peers' parts (``zero``), this rank's parts (``own``) and the shards that fill
+    them (``src``), and -- when every member is sharded on dim 0 -- each member's
+    ``(world, rows)`` view (``rows``, point-to-point)."""
+
+    __slots__ = ("own", "rows", "src", "zero")
+
+    def __init__(self, zero: list, own: list, src: list, rows: list | None) -> None:
+        self.zero, self.own, self.src, self.rows = zero, own, src, rows
+
+    def fill_all(self) -> None:
+        """All-gather by all-reduce: this rank's shards (cast if needed) into its parts,
+        zeros everywhere else."""
+        if self.zero:
+            torch._foreach_zero_(self.zero)
+        torch._foreach_copy_(self.own, self.src)
+
+    def fill_own(self) -> None:
+        """All-gather by point-to-point: this rank's shards (cast if needed) into its rows;
+        the peers' rows are received into place."""
+        torch._foreach_copy_(self.own, self.src)
+
+
 def gather_views(
     params: list,
     segments: list,
@@ -16,10 +40,8 @@ def gather_views(
     sharded: torch.Tensor,
     world: int,
     rank: int,
-) -> tuple[list, list, list, list | None]:
-    """Views of the unsharded buffer for the gloo all-gathers: the parts to zero,
-    this rank's parts and the shards that fill them, and -- when every member is
-    sharded on dim 0 -- each member's ``(world, rows)`` view (point-to-point)."""
+) -> GatherViews:
+    """Views of the unsharded buffer for the gloo all-gathers (see :class:`GatherViews`)."""
     zero: list[torch.Tensor] = []
     own: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
@@ -44,7 +66,7 @@ def gather_views(
             parts = (grid[:, :rank], grid[:, rank + 1 :])
             rows_p2p = None
         zero += [t for t in parts if t.numel()]
-    return zero, own, src, rows_p2p or None
+    return GatherViews(zero, own, src, rows_p2p or None)
 
 
 def copy_out(
