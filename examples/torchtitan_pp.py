@@ -41,7 +41,13 @@ import argparse
 import contextlib
 import os
 
-from _torchtitan_cpu import stub_triton_kernels
+from _torchtitan_cpu import (
+    compare_with_fsdp2,
+    debugmodel_config,
+    materialize,
+    stub_triton_kernels,
+    use_fully_shard,
+)
 
 
 def build(args, fully_shard_fn):
@@ -49,17 +55,12 @@ def build(args, fully_shard_fn):
     ``fully_shard_fn``); returns the schedule, the model parts and the meshes."""
     import torch
     import torch.nn.functional as F
-    import torchtitan.distributed.fsdp as titan_fsdp
-    import torchtitan.distributed.parallel_dims as titan_dims
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.llama3 import model_registry, parallelize_llama
-    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+    from torchtitan.models.llama3 import parallelize_llama
 
-    titan_dims.device_type = "cpu"  # torchtitan falls back to "cuda" without an accelerator
-    titan_fsdp.fully_shard = fully_shard_fn  # what apply_fsdp_to_decoder calls
+    use_fully_shard(fully_shard_fn)
 
     world = int(os.environ["WORLD_SIZE"])
     parallelism = ParallelismConfig(
@@ -80,14 +81,7 @@ def build(args, fully_shard_fn):
     dims = ParallelDims.from_config(parallelism, world)
     dims.build_mesh()
 
-    spec = model_registry("debugmodel")
-    config = spec.model
-    config.layers = config.layers[: args.layers]
-    for layer in config.layers:
-        # FlexAttention has no backward on CPU; SDPA (causal, one document per row) is what
-        # torchtitan's maskless tests use
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    set_llama3_sharding_config(config, enable_sp=args.tp > 1)
+    config = debugmodel_config(args.layers, args.tp > 1)
     torch.manual_seed(0)
     with torch.device("meta"):
         model = config.build()
@@ -111,15 +105,7 @@ def build(args, fully_shard_fn):
         loss_fn=loss_fn,
     )
     for part in parts:
-        part.to_empty(device="cpu")
-        torch.manual_seed(0)
-        with torch.no_grad():
-            part.init_weights(buffer_device=torch.device("cpu"))
-        for module in part.modules():
-            # as in examples/torchtitan_tp.py: FSDP2 on gloo reduces with SUM
-            if hasattr(module, "set_force_sum_reduction_for_comms"):
-                module.set_force_sum_reduction_for_comms(True)
-        part.train()
+        materialize(part)
     return schedule, parts, has_first, has_last, dims
 
 
@@ -179,24 +165,8 @@ def main() -> None:
     args = parser.parse_args()
 
     stub_triton_kernels()
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
-    from hyperfsdp_core import fully_shard
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    ours = train(args, fully_shard)
-    theirs = train(args, torch_fully_shard)
-    if dist.get_rank() == 0:
-        dp = dist.get_world_size() // (args.pp * args.tp)
-        print(f"{args.schedule}, pp {args.pp} x dp {dp} x tp {args.tp}")
-        print("step  hyperfsdp            FSDP2")
-        for step, (a, b) in enumerate(zip(ours, theirs)):
-            print(f"{step:4d}  {a:.10f}  {b:.10f}")
-    dist.destroy_process_group()
-    torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-5, atol=1e-6)
+    dp = int(os.environ["WORLD_SIZE"]) // (args.pp * args.tp)
+    compare_with_fsdp2(train, args, f"{args.schedule}, pp {args.pp} x dp {dp} x tp {args.tp}")
 
 
 if __name__ == "__main__":

@@ -37,25 +37,23 @@ import argparse
 import contextlib
 import os
 
-from _torchtitan_cpu import stub_triton_kernels
-
-# the name plugins/qcomm/examples/torchtitan_qcomm.py calls
-_stub_triton_kernels = stub_triton_kernels
+from _torchtitan_cpu import (
+    compare_with_fsdp2,
+    debugmodel_config,
+    materialize,
+    stub_triton_kernels,
+    use_fully_shard,
+)
 
 
 def build(args, fully_shard_fn):
     """torchtitan's model, meshes and parallelization, with ``fully_shard_fn`` as FSDP."""
     import torch
-    import torchtitan.distributed.fsdp as titan_fsdp
-    import torchtitan.distributed.parallel_dims as titan_dims
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.llama3 import model_registry, parallelize_llama
-    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+    from torchtitan.models.llama3 import parallelize_llama
 
-    titan_dims.device_type = "cpu"  # torchtitan falls back to "cuda" without an accelerator
-    titan_fsdp.fully_shard = fully_shard_fn  # what apply_fsdp_to_decoder calls
+    use_fully_shard(fully_shard_fn)
 
     world = int(os.environ["WORLD_SIZE"])
     parallelism = ParallelismConfig(
@@ -74,16 +72,7 @@ def build(args, fully_shard_fn):
     dims = ParallelDims.from_config(parallelism, world)
     dims.build_mesh()
 
-    spec = model_registry("debugmodel")
-    config = spec.model
-    config.layers = config.layers[: args.layers]
-    for layer in config.layers:
-        # FlexAttention has no backward on CPU; SDPA (causal, one document per row) is what
-        # torchtitan's maskless tests use
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    # what Llama3Model.Config.update_from_config does for a dense model (that method imports
-    # torchtitan.trainer, and with it the data stack: torchdata, datasets, tokenizers)
-    set_llama3_sharding_config(config, enable_sp=parallelism.enable_sequence_parallel)
+    config = debugmodel_config(args.layers, parallelism.enable_sequence_parallel)
     torch.manual_seed(0)
     with torch.device("meta"):
         model = config.build()
@@ -96,17 +85,7 @@ def build(args, fully_shard_fn):
         ac_config=None,
         dump_folder="/tmp",
     )
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        model.init_weights(buffer_device=torch.device("cpu"))
-    for module in model.modules():
-        # torchtitan turned FSDP's gradient division off (it divides the loss by the global
-        # token count); FSDP2 then reduces with PREMUL_SUM, which gloo lacks: SUM (and a
-        # division by 1.0) instead. hyperfsdp always reduces with SUM.
-        if hasattr(module, "set_force_sum_reduction_for_comms"):
-            module.set_force_sum_reduction_for_comms(True)
-    model.train()
+    materialize(model)
     return model, dims
 
 
@@ -166,22 +145,7 @@ def main() -> None:
     args = parser.parse_args()
 
     stub_triton_kernels()
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
-    from hyperfsdp_core import fully_shard
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    ours = train(args, fully_shard)
-    theirs = train(args, torch_fully_shard)
-    if dist.get_rank() == 0:
-        print("step  hyperfsdp            FSDP2")
-        for step, (a, b) in enumerate(zip(ours, theirs)):
-            print(f"{step:4d}  {a:.10f}  {b:.10f}")
-    dist.destroy_process_group()
-    torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-5, atol=1e-6)
+    compare_with_fsdp2(train, args)
 
 
 if __name__ == "__main__":

@@ -34,12 +34,13 @@ def main() -> None:
     parser.add_argument("--min-numel", type=int, default=1 << 16)
     args = parser.parse_args()
 
-    import torchtitan_tp
+    from _torchtitan_cpu import stub_triton_kernels
 
-    torchtitan_tp._stub_triton_kernels()
+    stub_triton_kernels()
     import hyperfsdp_qcomm
     import torch
     import torch.distributed as dist
+    import torchtitan_tp
 
     from hyperfsdp_core import fully_shard
 
