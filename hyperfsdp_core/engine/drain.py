@@ -3,12 +3,7 @@ explicit reduction ``FSDPModule.reduce_grads`` (pipeline schedules) built from t
 
 from __future__ import annotations
 
-from typing import Any
-
-from .root import RootContext
-
-#: A unit (``engine.state.UnitState``, the module above this one that calls it).
-Unit = Any
+from .root import RootContext, Unit
 
 
 def drain(ctx: RootContext) -> None:

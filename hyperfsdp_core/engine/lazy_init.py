@@ -3,15 +3,10 @@ every unit below it; their context, names, plans and resolved hooks are set up o
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 
 from ..comm import Comm
-from .root import RootContext
-
-#: A unit (``engine.state.UnitState``, the module above this one that calls it).
-Unit = Any
+from .root import RootContext, Unit
 
 
 def init_root(root: Unit) -> RootContext:

@@ -29,7 +29,8 @@ transition_logger = logging.getLogger("hyperfsdp_core.transitions")
 #: Settings of the whole tree of units under a root (``UnitState.set_tree_setting``).
 TREE_SETTINGS = ("is_last_backward", "post_optim_event")
 
-#: A unit of the root (``engine.state.UnitState``, the layer that creates contexts).
+#: A unit of a root: an ``engine.state.UnitState``, a module above this one and the ones
+#: that handle units for it (``drain``, ``lazy_init``), so named here without importing it.
 Unit = Any
 
 
