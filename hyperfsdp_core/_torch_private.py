@@ -57,6 +57,13 @@ def dtensor_local_tensor(dt: DTensor) -> torch.Tensor:
     return dt._local_tensor
 
 
+#: Whether storages can exchange their memory (:func:`swap_storage_memory`):
+#: ``UntypedStorage._swap_data_ptr_`` is new in torch 2.13. On older torch the CPU pool
+#: of parked unsharded memory is off and a reshard frees its buffer (``resize_(0)``), as
+#: on accelerators; everything else is the same.
+STORAGE_MEMORY_SWAPPABLE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
 def swap_storage_memory(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
     """Exchange the memory (and byte sizes) of two CPU storages.
 

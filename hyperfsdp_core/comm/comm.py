@@ -21,6 +21,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from .._torch_private import STORAGE_MEMORY_SWAPPABLE
 from .handles import Handle, describe_failure
 from .pools import BufferPool, StoragePool
 from .records import CollectiveEvent
@@ -67,8 +68,10 @@ class Comm:
         self.pools = (
             {"gather": BufferPool(device), "reduce": BufferPool(device)} if self.is_cpu else None
         )
-        #: parked memory of resharded unsharded buffers (CPU)
-        self.storage_pool = StoragePool() if self.is_cpu else None
+        #: parked memory of resharded unsharded buffers (CPU, where torch can swap it)
+        self.storage_pool = (
+            StoragePool() if self.is_cpu and STORAGE_MEMORY_SWAPPABLE else None
+        )
         #: what carries collectives that no unit transport (``hyperfsdp_transport``,
         #: ``set_custom_*``) takes: torch.distributed's own
         self.transport: Transport = Transport()
@@ -108,7 +111,8 @@ class Comm:
         """
         custom = transport.allocator(use) if transport is not None else None
         if custom is None and self.pools is not None:
-            if use == "reduce":  # the memory a unit's reshard just parked, if of this size
+            if use == "reduce" and self.storage_pool is not None:
+                # the memory a unit's reshard just parked, if of this size
                 storage = self.storage_pool.take(numel * dtype.itemsize)
                 if storage is not None:
                     return torch.empty(0, dtype=dtype).set_(storage, 0, (numel,), (1,))
@@ -143,7 +147,8 @@ class Comm:
         if use == "gather":
             self.release_gathered()
         if self.pools is not None and tensor is not None and custom is None:
-            if use == "reduce" and self.storage_pool.parks(tensor.untyped_storage()):
+            parking = use == "reduce" and self.storage_pool is not None
+            if parking and self.storage_pool.parks(tensor.untyped_storage()):
                 return  # parked for the next unshard of that size (see ``buffer``)
             self.pools[use].put(tensor)
 
