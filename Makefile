@@ -13,7 +13,7 @@ DIST_DIR ?= dist
 STAMP := $(dir $(PY)).hyperfsdp-installed
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench charts lint dist wheels clean
+.PHONY: install test demo bench charts lint dist wheels clean gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(dir $(PY))..
@@ -37,6 +37,21 @@ demo: install
 
 bench: install
 	$(PY) -m hyperfsdp_core bench
+
+# The prepared GPU check (benchmarks/gpu_check.py): hyperfsdp beside FSDP2 on one CUDA device,
+# one report file (gpu-check-report.md; GPU_CHECK_ARGS="--report PATH --budget S --only CASE").
+# On a GPU machine it uses the python3 that holds torch (GPU_PY) and installs the checkout
+# offline first; `make gpu-check DEVICE=cpu` is the dry run (gloo, tiny models) in this venv.
+DEVICE ?= cuda
+GPU_PY ?= python3
+GPU_CHECK_ARGS ?=
+ifeq ($(DEVICE),cpu)
+gpu-check: install
+	$(PY) benchmarks/gpu_check.py --device cpu $(GPU_CHECK_ARGS)
+else
+gpu-check:
+	$(GPU_PY) benchmarks/gpu_check.py --install --device $(DEVICE) $(GPU_CHECK_ARGS)
+endif
 
 # Redraw the charts from stored results: make charts CHARTS_FROM="a.json b.json" CHARTS_DIR=docs/charts
 CHARTS_FROM ?= benchmarks/results/latest.json

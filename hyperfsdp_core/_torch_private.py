@@ -44,6 +44,27 @@ def dtensor_from_local_fast(local: torch.Tensor, like: DTensor) -> DTensor:
     return DTensor(local, spec, requires_grad=False)
 
 
+def dtensor_around(
+    local: torch.Tensor, mesh, placements: tuple, shape: torch.Size, stride: tuple[int, ...]
+) -> DTensor:
+    """A DTensor around ``local`` itself, on ``local``'s device.
+
+    ``DTensor.from_local`` moves a local tensor whose device type differs from the mesh's
+    to the mesh's device (``local.to(mesh.device_type)``): a CPU-offloaded shard of a CUDA
+    mesh would silently land on the GPU, a copy rather than the bucket's host buffer.
+    Where the device types agree (every case but offload) ``from_local`` is used; else the
+    DTensor is built from its spec, as FSDP2 builds its sharded parameters.
+    """
+    if local.device.type == mesh.device_type or local.is_meta:
+        return DTensor.from_local(
+            local, mesh, placements, run_check=False, shape=shape, stride=stride
+        )
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, local.dtype))
+    return DTensor(local, spec, requires_grad=False)
+
+
 def dtensor_local_tensor(dt: DTensor) -> torch.Tensor:
     """``dt``'s own local tensor object (not a view of it).
 

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 
-from .._torch_private import dtensor_from_local_fast
+from .._torch_private import dtensor_around, dtensor_from_local_fast
 from .extension import extension_of
 from .layout import ShardLayout, contiguous_strides
 from .mesh_info import MeshInfo
@@ -159,13 +159,12 @@ class ShardedParam:
         call creates it, later calls swap the new contents into it.
         """
         self.padded_slot = slot
-        dt = DTensor.from_local(
+        dt = dtensor_around(
             local,
             self.dtensor_mesh,
             self.placements,
-            run_check=False,
-            shape=torch.Size(self.global_shape),
-            stride=self.global_stride,
+            torch.Size(self.global_shape),
+            tuple(self.global_stride),
         )
         new = nn.Parameter(dt, requires_grad=self.sharded_param.requires_grad)
         if self.installed:
