@@ -13,7 +13,7 @@ DIST_DIR ?= dist
 STAMP := $(dir $(PY)).hyperfsdp-installed
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench charts lint dist wheels clean gpu-check
+.PHONY: install test test-lowest demo bench charts lint dist wheels clean gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(dir $(PY))..
@@ -31,6 +31,24 @@ install: $(STAMP)
 
 test: install
 	$(PY) -m pytest -n auto $(PYTEST_ARGS) $(TEST_DIRS)
+
+# The lowest supported torch (docs/fsdp2-compat.md, "Supported torch versions"): a venv of
+# its own (.venv-lowest) with the core and every plugin, and a smoke subset of the suite.
+# PyPI's x86-64 torch 2.11 is a CUDA build (about 4 GB with its libraries, cached by pip
+# after the first install); it runs on a CPU-only host.
+TORCH_LOWEST ?= torch==2.11.0
+LOWEST := $(CURDIR)/.venv-lowest/bin/python
+LOWEST_STAMP := $(CURDIR)/.venv-lowest/.hyperfsdp-installed
+SMOKE_TESTS ?= tests/test_parity.py tests/test_uneven.py tests/test_mixed_precision.py \
+	tests/test_collectives.py tests/test_gpu_check.py plugins/offload/tests/test_offload.py
+$(LOWEST_STAMP): pyproject.toml $(wildcard plugins/*/pyproject.toml)
+	$(PYTHON) -m venv $(CURDIR)/.venv-lowest
+	$(LOWEST) -m pip install -q "$(TORCH_LOWEST)" pluggy attrs pytest pytest-xdist numpy safetensors tqdm
+	$(LOWEST) -m pip install -q --no-deps -e . $(foreach d,$(PLUGIN_DIRS),-e $(d))
+	touch $(LOWEST_STAMP)
+
+test-lowest: $(LOWEST_STAMP)
+	$(LOWEST) -m pytest -n auto $(PYTEST_ARGS) $(SMOKE_TESTS)
 
 demo: install
 	$(PY) -m hyperfsdp_core demo

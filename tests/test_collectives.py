@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from hyperfsdp_core import fully_shard
+from hyperfsdp_core._torch_private import STORAGE_MEMORY_SWAPPABLE
+from hyperfsdp_core.comm import Comm
 from hyperfsdp_core.testing.counting import CollectiveCounter
 from hyperfsdp_core.testing.reference import Transformer, lm_loss, local_slice, token_batch
 
@@ -73,7 +75,21 @@ def test_world_one_has_no_collectives(run_ranks):
 
 # -- CPU: resharded unsharded buffers park their memory for the next unshard ---------------------
 
+needs_swap = pytest.mark.skipif(
+    not STORAGE_MEMORY_SWAPPABLE,
+    reason="parking needs UntypedStorage._swap_data_ptr_ (torch 2.13); before, the pool is off",
+)
 
+
+def test_the_pool_is_on_exactly_where_torch_can_swap_storage_memory():
+    """Before torch 2.13 a CPU root has no pool of parked memory (reshard frees, as on an
+    accelerator); from 2.13 it has one."""
+    comm = Comm(torch.device("cpu"))
+    assert (comm.storage_pool is not None) == STORAGE_MEMORY_SWAPPABLE
+    assert comm.pooled_bytes == 0
+
+
+@needs_swap
 def test_storage_pool_parks_and_hands_back_memory():
     from hyperfsdp_core.comm import StoragePool
 
@@ -154,6 +170,7 @@ def _unsharded_memory_reuse():
     return ptrs, bwd_ptrs, comm.pooled_bytes
 
 
+@needs_swap
 def test_resharded_memory_goes_to_the_next_unshard(run_ranks):
     for ptrs, _, pooled, _ in run_ranks(2, unsharded_memory_reuse, False):
         # block 1 is prefetched while block 0 is unsharded; block 2 once block 0 has
@@ -162,6 +179,7 @@ def test_resharded_memory_goes_to_the_next_unshard(run_ranks):
         assert pooled == 0  # nothing held past the backward
 
 
+@needs_swap
 def test_one_buffer_is_handed_along_when_gathers_run_in_line(run_ranks):
     for ptrs, bwd_ptrs, pooled, rs_inputs in run_ranks(2, unsharded_memory_reuse, True):
         # no prefetch: each block gathers into the memory the block before it resharded;

@@ -53,10 +53,17 @@ _CONVERT = {
 }
 
 # hyperfsdp's reduce-scatters are issued here (whichever transport carries them); FSDP2's
-# at torch.distributed; (owner, name, index of the input among the arguments)
+# at torch.distributed (reduce_scatter_single from torch 2.13, reduce_scatter_tensor
+# before); (owner, name, index of the input among the arguments)
 _RS_SITES = {
     "hyperfsdp": (Comm, "reduce_scatter", 2),
-    "fsdp2": (dist, "reduce_scatter_single", 1),
+    "fsdp2": (
+        dist,
+        "reduce_scatter_single"
+        if hasattr(dist, "reduce_scatter_single")
+        else "reduce_scatter_tensor",
+        1,
+    ),
 }
 
 

@@ -107,11 +107,13 @@ def containers(impl):
             rejected[kind] = (unchanged, "do not implement forward" in str(exc), str(exc))
         else:
             rejected[kind] = None
-    # a container with its own forward, and the list form, stay supported
-    torch.manual_seed(0)
-    with_forward = ModuleListWithForward([nn.Linear(4, 4), nn.Linear(4, 4)])
-    shard_fn(with_forward)
-    with_forward(torch.randn(2, 4)).sum().backward()
+    # a container with its own forward, and the list form, stay supported (torch 2.11's
+    # FSDP2 rejects every ModuleList, forward or not; hyperfsdp follows 2.13's)
+    if impl == "hyperfsdp" or torch.__version__ >= (2, 13):
+        torch.manual_seed(0)
+        with_forward = ModuleListWithForward([nn.Linear(4, 4), nn.Linear(4, 4)])
+        shard_fn(with_forward)
+        with_forward(torch.randn(2, 4)).sum().backward()
 
     def shard_as_list(model):
         shard_fn(list(model.layers))  # one group of the list's modules

@@ -202,6 +202,18 @@ def chunk_grads(name):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("name", ["hyperfsdp", "torch"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "hyperfsdp",
+        pytest.param(
+            "torch",
+            marks=pytest.mark.skipif(
+                torch.__version__ < (2, 13),
+                reason="torch 2.11's FSDP2 crashes (SIGSEGV) on this backward; hyperfsdp does not",
+            ),
+        ),
+    ],
+)
 def test_head_grad_after_standalone_chunk_backward(run_ranks, world, name):
     assert all(run_ranks(world, chunk_grads, name))

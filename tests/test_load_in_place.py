@@ -59,10 +59,19 @@ def storage_ptrs(model, impl):
         flat = [
             fp._sharded_param_data.data_ptr()
             for m in _units(model)
-            for group in m._get_fsdp_state()._fsdp_param_groups
+            for group in _fsdp2_param_groups(m)
             for fp in group.fsdp_params
         ]
     return local, flat
+
+
+def _fsdp2_param_groups(module):
+    """FSDP2's parameter groups of a unit (a list from torch 2.13, one group before)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return groups
+    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
 
 
 def padding_is_zero(model, impl):

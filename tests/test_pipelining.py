@@ -69,7 +69,9 @@ class _Count:
 
     def __enter__(self):
         for name, kind in self.NAMES.items():
-            fn = getattr(dist, name)
+            fn = getattr(dist, name, None)
+            if fn is None:  # the *_single names are torch 2.13's
+                continue
             self.saved[name] = fn
 
             def call(*args, _fn=fn, _kind=kind, **kwargs):
@@ -192,7 +194,7 @@ def pipeline_run(impl: str, schedule_name: str, layout: str = "fsdp", fail_step:
         if fail_step == step:
             hook = modules[stage_ids[0]].register_forward_pre_hook(failing)
             with pytest.raises(RuntimeError) as failure:
-                schedule.step(lx if first else None, target=ly if last else None)
+                schedule.step(*((lx,) if first else ()), target=ly if last else None)
             assert "microbatch failed" in repr(failure.value.__cause__ or failure.value)
             hook.remove()
             for module in modules.values():
@@ -204,7 +206,7 @@ def pipeline_run(impl: str, schedule_name: str, layout: str = "fsdp", fail_step:
         mb_losses: list[torch.Tensor] = []
         counter = CollectiveCounter() if impl == "hyperfsdp" else _Count(dp_groups)
         with counter:
-            schedule.step(lx if first else None, target=ly if last else None, losses=mb_losses)
+            schedule.step(*((lx,) if first else ()), target=ly if last else None, losses=mb_losses)
         kinds = [k for k, *_ in counter.calls] if impl == "hyperfsdp" else counter.calls
         counts.append(_counts(kinds))
         step_grads = {}
@@ -269,7 +271,14 @@ CASES = [
     ("Schedule1F1B", "fsdp"),
     ("ScheduleInterleaved1F1B", "fsdp"),
     ("ScheduleInterleavedZeroBubble", "flat"),
-    ("ScheduleZBVZeroBubble", "flat"),
+    pytest.param(
+        "ScheduleZBVZeroBubble",
+        "flat",
+        marks=pytest.mark.skipif(
+            torch.__version__ < (2, 13),
+            reason="torch 2.11's ZBV schedule fails its first p2p on gloo, under FSDP2 too",
+        ),
+    ),
 ]
 
 
@@ -302,7 +311,11 @@ def test_reset_iter_state_after_a_failed_microbatch(run_ranks):
     ``reset_iter_state()`` on each stage and the step again: FSDP2's losses, gradients and
     collectives, and the reference's."""
     ours = run_ranks(4, pipeline_run, "hyperfsdp", "ScheduleGPipe", "fsdp", 1)
-    theirs = run_ranks(4, pipeline_run, "fsdp2", "ScheduleGPipe", "fsdp", 1)
+    # FSDP2 has reset_iter_state from torch 2.13; before, its run has no failed step
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+    recovers = hasattr(TorchFSDPModule, "reset_iter_state")
+    theirs = run_ranks(4, pipeline_run, "fsdp2", "ScheduleGPipe", "fsdp", 1 if recovers else None)
     _compare(ours, theirs)
 
 

@@ -28,6 +28,12 @@ from hyperfsdp_core.testing.reference import (
     token_batch,
 )
 
+pytestmark = pytest.mark.skipif(
+    torch.__version__ < (2, 13),
+    reason="before torch 2.13 DTensor's sharding propagation crashes (SIGSEGV in "
+    "FakeTensorMode.__enter__) when ranks are threads, under FSDP2 as under hyperfsdp",
+)
+
 #: seconds the rank threads get to train (a few steps take well under a second)
 THREAD_DEADLINE = 60.0
 
@@ -49,6 +55,9 @@ def run_threaded(world: int, fn, *args, deadline: float = THREAD_DEADLINE) -> li
     store.set_timeout(timedelta(seconds=deadline))
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
     _install_threaded_pg()
+    world_of_threads = dist.distributed_c10d._world
+    if not hasattr(world_of_threads, "comms"):  # torch 2.11's lacks what destroy reads
+        world_of_threads.comms = []
 
     def worker(rank: int) -> None:
         try:

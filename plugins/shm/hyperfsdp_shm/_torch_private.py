@@ -107,3 +107,25 @@ class PythonProcessGroup(dist.ProcessGroup):
     recv_anysource = _forward("recv_anysource")
     all_gather_single = _forward("all_gather_single", "_allgather_base")
     reduce_scatter_single = _forward("reduce_scatter_single", "_reduce_scatter_base")
+
+    if not hasattr(dist.ProcessGroup, "all_gather_single"):
+        # Before torch 2.13, c10d calls a Python group's one-tensor all-gathers and
+        # reduce-scatters by their older names: route those to the new ones, which the
+        # subclasses override.
+        def _allgather_base(self, out, inp, opts=None):
+            return self.all_gather_single(out, inp, opts)
+
+        def _reduce_scatter_base(self, out, inp, opts=None):
+            return self.reduce_scatter_single(out, inp, opts)
+
+        def allgather_into_tensor_coalesced(self, outs, inps, opts=None):
+            return self.all_gather_single_coalesced(outs, inps, opts)
+
+        def reduce_scatter_tensor_coalesced(self, outs, inps, opts=None):
+            return self.reduce_scatter_single_coalesced(outs, inps, opts)
+
+        def all_gather_single_coalesced(self, outs, inps, opts=None):
+            return self.backend.allgather_into_tensor_coalesced(outs, inps, opts)
+
+        def reduce_scatter_single_coalesced(self, outs, inps, opts=None):
+            return self.backend.reduce_scatter_tensor_coalesced(outs, inps, opts)

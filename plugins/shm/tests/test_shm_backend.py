@@ -51,25 +51,27 @@ def collectives_equal_gloo():
             outs = {}
             for name, group in (("gloo", gloo), ("shm", shm)):
                 rs = torch.empty(n, dtype=dtype)
-                dist.reduce_scatter_single(rs, x, group=group)
+                dist.reduce_scatter_tensor(rs, x, group=group)
                 ag = torch.empty(world * n, dtype=dtype)
-                dist.all_gather_single(ag, x[:n], group=group)
+                dist.all_gather_into_tensor(ag, x[:n], group=group)
                 # a non-contiguous output, and the input already in place in the output
                 ag_t = torch.empty(n, world, dtype=dtype).t()
-                dist.all_gather_single(ag_t, x[n : 2 * n].view(1, n), group=group)
+                dist.all_gather_into_tensor(ag_t, x[n : 2 * n].view(1, n), group=group)
                 in_place = torch.zeros(world * n, dtype=dtype)
                 in_place.view(world, n)[rank] = x[:n]
-                dist.all_gather_single(in_place, in_place.view(world, n)[rank], group=group)
+                dist.all_gather_into_tensor(in_place, in_place.view(world, n)[rank], group=group)
                 # a reduce-scatter into this rank's own part of its input
                 rs_in_place = x.clone()
                 rs_own = rs_in_place.view(world, n)[rank]
-                dist.reduce_scatter_single(rs_own, rs_in_place, group=group)
+                dist.reduce_scatter_tensor(rs_own, rs_in_place, group=group)
                 # the functional collectives (DTensor's), on dim 0 and dim 1, and coalesced
                 rows = x.view(world, n)
-                f_rs0 = funcol.wait_tensor(funcol.reduce_scatter_single(rows, "sum", 0, group))
-                f_ag1 = funcol.wait_tensor(funcol.all_gather_single(rows[:, :1], 1, group))
-                coalesced = funcol.all_gather_single_coalesced([x[:n], x[n : 2 * n]], group)
-                reduced = funcol.reduce_scatter_single_coalesced([x, x * 2], "sum", [0, 0], group)
+                f_rs0 = funcol.wait_tensor(funcol.reduce_scatter_tensor(rows, "sum", 0, group))
+                f_ag1 = funcol.wait_tensor(
+                    funcol.all_gather_tensor(rows[:, :1].contiguous(), 1, group)
+                )
+                coalesced = funcol.all_gather_into_tensor_coalesced([x[:n], x[n : 2 * n]], group)
+                reduced = funcol.reduce_scatter_tensor_coalesced([x, x * 2], "sum", [0, 0], group)
                 outs[name] = [rs, ag, ag_t, in_place, rs_own.clone(), f_rs0, f_ag1]
                 outs[name] += [funcol.wait_tensor(t) for t in (*coalesced, *reduced)]
             for a, b in zip(outs["gloo"], outs["shm"], strict=True):
@@ -101,7 +103,7 @@ def others_run_on_gloo():
         b = torch.full((3,), float(rank))
         dist.broadcast(b, src=world - 1, group=group)
         m = torch.empty(2)
-        dist.reduce_scatter_single(
+        dist.reduce_scatter_tensor(
             m, torch.arange(2.0 * world) * (rank - 1), op=dist.ReduceOp.MAX, group=group
         )
         objects = [None] * world
@@ -134,7 +136,7 @@ def without_shared_memory():
         outs = []
         for group in (gloo, shm):
             out = torch.empty(4)
-            dist.reduce_scatter_single(out, x, group=group)
+            dist.reduce_scatter_tensor(out, x, group=group)
             outs.append(out)
         return shm.transport is None, torch.equal(*outs), repr(shm)
 
