@@ -1,7 +1,10 @@
-"""The only place hyperfsdp touches private PyTorch APIs; each use says why.
+"""The only place the core touches private PyTorch names; each use says why.
 
-Everything else is written against public APIs. If a use here breaks on a new
-torch release, this module is the one to adapt.
+Everything else in ``hyperfsdp_core`` is written against public APIs, and
+``tests/test_layering.py`` fails on a private torch name anywhere else (a plugin keeps its
+own ``_torch_private.py``; the built-in plugins theirs in ``plugin/builtin``). Differences
+between the torch versions the core supports (2.11 to 2.13) live here too. If a use here
+breaks on a new torch release, this module is the one to adapt.
 """
 
 from __future__ import annotations
@@ -10,6 +13,50 @@ from collections.abc import Callable
 
 import torch
 from torch.distributed.tensor import DTensor
+
+# the base class of the test harness's stream simulator (testing/streams.py): how a mode
+# sees every operator; torch exports it only from this private module
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# torch has no public pytree module; a unit's forward inputs and outputs are walked with
+# torch's own (as FSDP2 does) to cast them and to hook their tensors for the backward.
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+__all__ = [
+    "STORAGE_MEMORY_SWAPPABLE",
+    "TorchDispatchMode",
+    "dtensor_around",
+    "dtensor_from_local_fast",
+    "dtensor_local_tensor",
+    "expose_fsdp2_state",
+    "foreach_copy_",
+    "foreach_zero_",
+    "queue_end_of_backward_callback",
+    "storage_id",
+    "swap_storage_memory",
+    "torch_fsdp_module_class",
+    "tree_flatten",
+    "tree_map",
+    "tree_unflatten",
+]
+
+
+def foreach_copy_(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``dst.copy_(src)`` for every pair, in one multi-tensor kernel where the device has
+    one. ``torch._foreach_copy_`` is what FSDP2 uses for its copy-in; its name is private."""
+    torch._foreach_copy_(dsts, srcs)
+
+
+def foreach_zero_(tensors: list[torch.Tensor]) -> None:
+    """``t.zero_()`` for every tensor in one multi-tensor kernel (``torch._foreach_zero_``)."""
+    torch._foreach_zero_(tensors)
+
+
+def storage_id(t: torch.Tensor) -> int:
+    """An identity of the storage behind ``t``, the same for every view of it, while that
+    storage lives. ``data_ptr()`` is not one: every empty storage has address 0, and a freed
+    (``resize_(0)``) storage keeps its identity but loses its address."""
+    return t.untyped_storage()._cdata
 
 
 def queue_end_of_backward_callback(callback: Callable[[], None]) -> None:

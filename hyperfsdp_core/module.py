@@ -252,7 +252,9 @@ class FSDPModule:
             raise TypeError(f"set_force_sum_reduction_for_comms expects a bool, got {enable!r}")
 
     def sharding_plan(self):
-        """One row per managed parameter of this unit and its sub-units (see API.md)."""
+        """One row per managed parameter of this unit and its sub-units: a
+        ``ShardingPlan`` of ``PlanRow`` records (``plugin/sharding_plan.py``; ``str()``
+        prints a table)."""
         from .plugin.sharding_plan import sharding_plan
 
         return sharding_plan(self)

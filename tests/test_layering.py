@@ -314,3 +314,96 @@ def test_a_foreign_write_fails():
     assert foreign_writes(sources, ("engine",)) == [
         "engine.unit_params:2 writes bucket.state (a field of engine.bucket)"
     ]
+
+
+# -- private torch names only in the _torch_private modules ---------------------------------------
+
+#: attributes of torch objects that are private, which no torch module path shows
+PRIVATE_TORCH_ATTRS = {"_cdata", "_local_tensor", "_spec", "_swap_data_ptr_", "_execution_engine"}
+
+
+def _is_private(part: str) -> bool:
+    return part.startswith("_") and not (part.startswith("__") and part.endswith("__"))
+
+
+def _dotted(node: ast.AST) -> list[str] | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return [node.id, *reversed(parts)]
+
+
+def private_torch_names(sources: dict[str, tuple[str, bool]]) -> list[str]:
+    """``module:line name`` for every private torch name used outside a ``_torch_private``
+    module: a private module or name imported from torch (``torch.utils._pytree``), a
+    private attribute reached through a torch module (``torch._foreach_copy_``, through any
+    alias such as ``dist``), and private attributes of torch objects (``._cdata``,
+    ``getattr(t, "_local_tensor")``)."""
+    found = []
+    for module, (text, _) in sources.items():
+        if module.split(".")[-1] == "_torch_private":
+            continue
+        tree = ast.parse(text)
+        aliases: dict[str, str] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.split(".")[0] == "torch":
+                        aliases[a.asname or "torch"] = a.name if a.asname else "torch"
+                        if any(map(_is_private, a.name.split("."))):
+                            found.append(f"{module}:{node.lineno} {a.name}")
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                if node.module.split(".")[0] != "torch":
+                    continue
+                for a in node.names:
+                    full = f"{node.module}.{a.name}"
+                    aliases[a.asname or a.name] = full
+                    if any(map(_is_private, full.split("."))):
+                        found.append(f"{module}:{node.lineno} {full}")
+        for node in ast.walk(tree):
+            name = None
+            if isinstance(node, ast.Attribute):
+                chain = _dotted(node)
+                if chain and chain[0] in aliases:
+                    full = [*aliases[chain[0]].split("."), *chain[1:]]
+                    if any(map(_is_private, full)):
+                        name = ".".join(full)
+                elif node.attr in PRIVATE_TORCH_ATTRS:
+                    name = "." + node.attr
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr", "setattr")
+                and len(node.args) > 1
+                and isinstance(node.args[1], ast.Constant)
+                and node.args[1].value in PRIVATE_TORCH_ATTRS
+            ):
+                name = node.args[1].value
+            if name is not None:
+                found.append(f"{module}:{node.lineno} {name}")
+    return sorted(set(found))
+
+
+def test_private_torch_names_only_in_torch_private_modules():
+    assert private_torch_names(SOURCES) == []
+
+
+@pytest.mark.parametrize(
+    "text, name",
+    [
+        ("from torch.utils._pytree import tree_map\n", "torch.utils._pytree.tree_map"),
+        ("import torch\ntorch._foreach_copy_([], [])\n", "torch._foreach_copy_"),
+        ("import torch.distributed as dist\ndist._make_nccl_premul_sum\n", "torch.distributed._make_nccl_premul_sum"),
+        ("def f(t):\n    return t.untyped_storage()._cdata\n", "._cdata"),
+        ("def f(t):\n    return getattr(t, '_local_tensor', None)\n", "_local_tensor"),
+    ],
+)
+def test_a_private_torch_name_fails(text, name):
+    sources = {"engine": ("", True), "engine.bucket": (text, False)}
+    found = private_torch_names(sources)
+    assert len(found) == 1 and found[0].endswith(" " + name), found
+    sources["engine._torch_private"] = sources.pop("engine.bucket")  # its place: fine there
+    assert private_torch_names(sources) == []

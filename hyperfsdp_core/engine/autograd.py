@@ -7,7 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .._torch_private import tree_flatten, tree_unflatten
 
 
 class RegisterPostBackward(torch.autograd.Function):

@@ -1,5 +1,17 @@
 """One bucket: the members of a unit that share topology and dtypes, one flat sharded
-buffer, one all-gather and one reduce-scatter (see ``unit_params`` for the unit)."""
+buffer, one all-gather and one reduce-scatter (see ``unit_params`` for the unit).
+
+A bucket owns three flat buffers:
+
+* ``sharded_flat`` (original dtype): every member's padded shard back to back; the
+  members' DTensor local tensors are views of it, so it *is* the all-gather input
+  (no copy-in unless a cast is needed);
+* ``unsharded_flat`` (compute dtype, param-major, ``world * total``): the members'
+  unsharded parameters alias it; its storage is freed (resized to 0) on reshard and
+  re-allocated on unshard (``engine/unsharded.py``), so autograd's saved references stay
+  valid;
+* a reduce-scatter pack (reduce dtype, rank-major), borrowed per step (``Comm.buffer``).
+"""
 
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ import math
 import torch
 from torch import nn
 
-from .._torch_private import dtensor_local_tensor
+from .._torch_private import dtensor_local_tensor, foreach_copy_, foreach_zero_, storage_id
 from ..comm import Comm
 from .bucket import Bucket
 from .buffers import free
@@ -140,15 +140,15 @@ class _Member:
         """The inner tensors ``fsdp_post_all_gather`` returned: freed at reshard with the
         outputs and re-allocated before the next ``out=`` call (those on an output's
         memory go with it)."""
-        own = {o.untyped_storage()._cdata for o in self.outputs}
+        own = {storage_id(o) for o in self.outputs}
         seen: set[int] = set()
         for t in inner or ():
             if not isinstance(t, torch.Tensor):
                 continue
-            st = t.untyped_storage()
-            if st._cdata in own or st._cdata in seen:
+            st, key = t.untyped_storage(), storage_id(t)
+            if key in own or key in seen:
                 continue
-            seen.add(st._cdata)
+            seen.add(key)
             self.inner.append((st, st.size()))
 
 
@@ -269,11 +269,11 @@ class ExtensionBucket(Bucket):
             if zero_others:
                 others = [t for t in (rows[:rank], rows[rank + 1 :]) if t.numel()]
                 if others:
-                    torch._foreach_zero_(others)
+                    foreach_zero_(others)
             if srcs:
-                torch._foreach_copy_(dsts, srcs)
+                foreach_copy_(dsts, srcs)
             if pads:
-                torch._foreach_zero_(pads)
+                foreach_zero_(pads)
 
         group = self.mesh_info.shard_group
         route = "local" if not self.needs_all_gather else None

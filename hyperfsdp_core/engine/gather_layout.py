@@ -8,6 +8,8 @@ import math
 
 import torch
 
+from .._torch_private import foreach_copy_, foreach_zero_
+
 
 class GatherViews:
     """Views of a bucket's unsharded buffer for the gloo all-gathers that write into it in
@@ -24,13 +26,13 @@ class GatherViews:
         """All-gather by all-reduce: this rank's shards (cast if needed) into its parts,
         zeros everywhere else."""
         if self.zero:
-            torch._foreach_zero_(self.zero)
-        torch._foreach_copy_(self.own, self.src)
+            foreach_zero_(self.zero)
+        foreach_copy_(self.own, self.src)
 
     def fill_own(self) -> None:
         """All-gather by point-to-point: this rank's shards (cast if needed) into its rows;
         the peers' rows are received into place."""
-        torch._foreach_copy_(self.own, self.src)
+        foreach_copy_(self.own, self.src)
 
 
 def gather_views(

@@ -1,10 +1,13 @@
 """The state machines, as tables: a unit's hook states (:data:`TRANSITIONS`) and a bucket's
 parameters (:data:`BUCKET_TRANSITIONS`).
 
-Every change of a unit's state goes through ``UnitState._transition``, and every change of a
-bucket's through ``Bucket._move``, against these tables: re-entry (activation-checkpoint
-recomputation, several outputs, list units, prefetches nobody consumed) is explicit and a pair
-not listed raises, rather than being scattered over flags.
+Every hook event of a unit goes through ``UnitState._transition`` (logged when the root's
+transition log is on), and every change of a bucket's state through ``Bucket._move``, against
+these tables: re-entry (activation-checkpoint recomputation, several outputs, list units,
+prefetches nobody consumed) is explicit and a pair not listed raises, rather than being
+scattered over flags. The two ways back to ``IDLE`` are not events of the table: the end of a
+unit's iteration (``BackwardHooks.end_unit``, from the root's drain) and
+``UnitState.reset_iter_state`` set it from whatever state they find, unlogged.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ TRANSITIONS: dict[str, dict[TrainingState, TrainingState]] = {
     },
 }
 # The root drain (and FSDPModule.reduce_grads() outside a backward) then returns every unit
-# to IDLE from whatever state it finds (``UnitState._end_unit``).
+# to IDLE from whatever state it finds (``BackwardHooks.end_unit``).
 
 
 class BucketState(enum.Enum):

@@ -12,9 +12,8 @@ import os
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._pytree import tree_map
 
-from .._torch_private import queue_end_of_backward_callback
+from .._torch_private import queue_end_of_backward_callback, tree_map
 from ..comm import Comm, PluginComm
 from .port import RootHooks
 from .stash import Stash

@@ -1,15 +1,10 @@
-"""Buckets (one all-gather and one reduce-scatter each) and the per-unit UnitParams.
+"""A unit's managed parameters: :class:`UnitParams`.
 
-A unit's parameters are bucketed by data-parallel topology and dtypes. Each bucket
-owns three flat buffers:
-
-* ``sharded_flat`` (original dtype): every member's padded shard back to back; the
-  members' DTensor local tensors are views of it, so it *is* the all-gather input
-  (no copy-in unless a cast is needed);
-* ``unsharded_flat`` (compute dtype, param-major, ``world * total``): the members'
-  unsharded parameters alias it; its storage is freed (resized to 0) on reshard and
-  re-allocated on unshard, so autograd's saved references stay valid;
-* a reduce-scatter pack (reduce dtype, rank-major), borrowed per step from a pool.
+It groups the unit's sharded parameters into buckets (``engine/bucket.py``: one all-gather
+and one reduce-scatter each, by data-parallel topology and dtypes; their flat buffers are
+described there) with :meth:`UnitParams.rebucket`, applies the unit's settings to every
+bucket, asks the plugins for the unit's transport, and unshards, reshards and reduces the
+buckets together.
 """
 
 from __future__ import annotations

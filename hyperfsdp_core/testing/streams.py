@@ -29,8 +29,9 @@ import weakref
 from collections.abc import Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.distributed.tensor import DTensor
+
+from .._torch_private import TorchDispatchMode, dtensor_local_tensor, tree_flatten
 
 __all__ = ["SimEvent", "SimStream", "Simulator", "simulated_accelerator"]
 
@@ -95,9 +96,8 @@ class SimStream:
 
 def _span(t: torch.Tensor) -> tuple[int, int] | None:
     """The address range ``t``'s elements occupy (None: no memory)."""
-    local = getattr(t, "_local_tensor", None)  # a DTensor: its shard
-    if local is not None:
-        t = local
+    if isinstance(t, DTensor):  # its shard
+        t = dtensor_local_tensor(t)
     if t.device.type == "meta" or t.numel() == 0:
         return None
     try:

@@ -11,9 +11,10 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from hyperfsdp_core.plugin import UnitSpec, hookimpl
+
+from ._torch_private import tree_map
 
 
 def _cast(dtype: torch.dtype, x):
