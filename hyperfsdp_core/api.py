@@ -155,8 +155,7 @@ def _build(
         on_meta = any(t.device.type == "meta" for t in locals_by_param.values())
         group.build_sharded(locals_by_param, torch.device("meta") if on_meta else device)
         if not isinstance(reshard, bool) and isinstance(reshard, int):
-            group.post_forward_size = reshard
-            group.apply_settings()
+            group.configure(post_forward_size=reshard)
     options = UnitOptions(
         reshard_after_forward=True if reshard is None else reshard,
         auto_reshard_after_forward=reshard is None,
@@ -384,6 +383,6 @@ def share_comm_ctx(modules: Sequence[FSDPModule]) -> None:
     first = states[0].comm
     comm = first if first is not None and not first.provisional else Comm(states[0].device)
     for state in states:
-        state.comm = comm
+        state.use_comm(comm)
         if state.ctx is not None:
             state.ctx.set_comm(comm)

@@ -69,8 +69,7 @@ class FSDPModule:
         if state.comm is None:
             from .comm import Comm
 
-            state.comm = Comm(state.device)
-            state.comm.provisional = True  # the root's lazy init replaces it
+            state.use_comm(Comm(state.device, provisional=True))  # lazy init replaces it
         group.init_unsharded()
         group.unshard(state.comm)
         handle = UnshardHandle(state)
@@ -270,7 +269,7 @@ class FSDPModule:
             if len(state.modules) == 1:
                 state.reset_sharded_params()
             else:  # rebuild once every module of the list unit is converted
-                state.needs_reset = True
+                state.reset_before_forward()
         return result
 
 

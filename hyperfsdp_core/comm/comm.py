@@ -56,14 +56,19 @@ _NO_STREAM = contextlib.nullcontext()
 class Comm:
     """Issues collectives for one root (or several roots sharing it via ``share_comm_ctx``)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(
+        self, device: torch.device, *, provisional: bool = False, device_module=None
+    ) -> None:
+        """``device_module``: run the accelerator code path on this stand-in for
+        ``torch.cuda`` (its ``Stream``, ``current_stream``, events), whatever ``device``
+        is: the test harness's stream simulator (``hyperfsdp_core.testing.streams``)."""
         self.device = device
         self.stats = CommStats()
         #: ``hyperfsdp_collective_observer`` callables; empty (the common case) costs one test
         self.observers: list[Callable[[CollectiveEvent], None]] = []
         #: made by ``unshard()`` before the root's first forward: replaced at lazy init
-        self.provisional = False
-        self.is_cpu = device.type == "cpu"
+        self.provisional = provisional
+        self.is_cpu = device.type == "cpu" and device_module is None
         # one pool per use: all-gather outputs and reduce-scatter inputs
         self.pools = (
             {"gather": BufferPool(device), "reduce": BufferPool(device)} if self.is_cpu else None
@@ -89,7 +94,7 @@ class Comm:
         #: docs/design.md.
         self.gathers_ordered = False
         if not self.is_cpu:
-            self._module = torch.get_device_module(device.type)
+            self._module = device_module or torch.get_device_module(device.type)
             self.all_gather_stream = self._module.Stream(device=device)
             self.reduce_stream = self._module.Stream(device=device)
 

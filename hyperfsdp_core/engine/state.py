@@ -139,6 +139,11 @@ class UnitState(BackwardHooks):
         if self.is_root and self.options.auto_reshard_after_forward:
             self.set_options(reshard_after_forward=False)  # the root keeps its parameters
 
+    def reset_before_forward(self) -> None:
+        """A list unit's modules were converted (``_apply``): its sharded parameters are
+        rebuilt at its next pre-forward, once every module of the list is."""
+        self.needs_reset = True
+
     def use_comm(self, comm: Comm) -> None:
         """Communicate through ``comm`` from now on (``share_comm_ctx``); reshards park
         memory with it."""

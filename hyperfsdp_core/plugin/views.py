@@ -150,66 +150,66 @@ class ParamView:
 class UnitView:
     """One ``fully_shard`` unit: its modules, parameters and current options."""
 
-    __slots__ = ("_hyperfsdp_state",)
+    __slots__ = ("_unit_state",)
 
     def __init__(self, state: UnitState) -> None:
-        self._hyperfsdp_state = state
+        self._unit_state = state
 
     @property
     def fqn(self) -> str:
         """The unit's module name(s) in the root (``""`` for the root; list units join
         their modules' names with ``", "``). Known from the root's lazy init on."""
-        return self._hyperfsdp_state.fqn
+        return self._unit_state.fqn
 
     @property
     def modules(self) -> tuple[nn.Module, ...]:
-        return self._hyperfsdp_state.modules
+        return self._unit_state.modules
 
     @property
     def is_root(self) -> bool:
-        return bool(self._hyperfsdp_state.is_root)
+        return bool(self._unit_state.is_root)
 
     @property
     def params(self) -> tuple[ParamView, ...]:
         """The unit's managed parameters (empty for a unit that manages none)."""
-        return self._hyperfsdp_state.param_views
+        return self._unit_state.param_views
 
     @property
     def device(self) -> torch.device:
         """The device the unit computes and communicates on."""
-        return self._hyperfsdp_state.device
+        return self._unit_state.device
 
     @property
     def mp_policy(self):
-        return self._hyperfsdp_state.options.mp_policy
+        return self._unit_state.options.mp_policy
 
     @property
     def offload_policy(self):
-        return self._hyperfsdp_state.options.offload_policy
+        return self._unit_state.options.offload_policy
 
     @property
     def requires_gradient_sync(self) -> bool:
-        return self._hyperfsdp_state.options.requires_gradient_sync
+        return self._unit_state.options.requires_gradient_sync
 
     @property
     def requires_all_reduce(self) -> bool:
         """``set_requires_all_reduce``: whether replicate-group all-reduces run now."""
-        return self._hyperfsdp_state.options.requires_all_reduce
+        return self._unit_state.options.requires_all_reduce
 
     @property
     def reshard_after_forward(self) -> bool | int:
-        return self._hyperfsdp_state.options.reshard_after_forward
+        return self._unit_state.options.reshard_after_forward
 
     @property
     def root(self) -> RootView | None:
         """The root this unit belongs to (``None`` before the root's lazy init)."""
-        ctx = self._hyperfsdp_state.ctx
+        ctx = self._unit_state.ctx
         return ctx.view if ctx is not None else None
 
     @property
     def stash(self) -> Stash:
         """Plugins' per-unit data."""
-        return self._hyperfsdp_state.stash
+        return self._unit_state.stash
 
     def __repr__(self) -> str:
         return f"UnitView({self.fqn!r}, {len(self.params)} params)"

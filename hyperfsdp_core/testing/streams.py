@@ -310,14 +310,9 @@ def simulated_accelerator() -> Iterator[Simulator]:
     comm_init = Comm.__init__
     resize = torch.UntypedStorage.resize_
 
-    def init(comm, device):
-        comm_init(comm, device)
-        comm.is_cpu = False
-        comm.pools = comm.storage_pool = None
-        comm._module = sim
-        comm.all_gather_stream = sim.Stream()
+    def init(comm, device, **kwargs):
+        comm_init(comm, device, **kwargs, device_module=sim)
         comm.all_gather_stream.name = "all_gather"
-        comm.reduce_stream = sim.Stream()
         comm.reduce_stream.name = "reduce"
 
     def tracked_resize(storage, nbytes):
