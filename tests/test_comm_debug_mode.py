@@ -1,8 +1,8 @@
 """torch's ``CommDebugMode`` (``torch.distributed.tensor.debug``) sees every collective the
 core issues, with FSDP2's kinds and counts, on every CPU transport: shared memory, gloo
 with the core's stand-ins (``HYPERFSDP_SHM=0``) and gloo's own collectives
-(``HYPERFSDP_GLOO_NATIVE_COLLECTIVES=1``). While a dispatch mode is active the core
-issues its all-gathers and reduce-scatters through ``torch.distributed``, as FSDP2 does.
+(``HYPERFSDP_GLOO_NATIVE_COLLECTIVES=1``). The plugin's own routes stay as they are
+while a mode is active, and show the mode each collective as the c10d op FSDP2 issues.
 """
 
 from __future__ import annotations

@@ -52,6 +52,8 @@ def pre_arity(tensor: torch.Tensor) -> int:
 
 def initial_local(p, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """This rank's actual shard of an extension parameter, still the subclass (a
-    ``detach`` would unwrap some subclasses, torchao's float8 weight among them)."""
+    ``detach`` would unwrap some subclasses, torchao's float8 weight among them). A
+    parameter on the meta device stays there (``to_empty`` materializes it, as in FSDP2)."""
     with torch.no_grad():
-        return p.local_shard_of(tensor).to(device)
+        local = p.local_shard_of(tensor)
+        return local if local.device.type == "meta" else local.to(device)

@@ -180,6 +180,17 @@ class ExtensionBucket(Bucket):
                 if lay.actual_len and device.type != "meta":
                     actual.copy_(local)
                 p.install_sharded(actual, padded)
+        self._sharded_built()
+
+    def adopt_sharded(self) -> None:
+        """Take the members' sharded parameters as they are, local tensor objects and
+        padded slots alike: a member whose local tensor was given the extension's methods
+        after ``fully_shard`` (``param._local_tensor.fsdp_pre_all_gather = ...``, as
+        FSDP2's users patch it) keeps that object, which carries them."""
+        self.reshard()
+        self._sharded_built()
+
+    def _sharded_built(self) -> None:
         self.sharded_flat = None
         self._members = None
         self._arity = None

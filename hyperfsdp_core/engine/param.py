@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
-from .._torch_private import dtensor_around, dtensor_from_local_fast
+from .._torch_private import dtensor_around, dtensor_from_local_fast, dtensor_local_tensor
 from .extension import extension_of
 from .layout import ShardLayout, contiguous_strides
 from .mesh_info import MeshInfo
@@ -110,6 +110,22 @@ class ShardedParam:
         acc = self.accumulated_grad  # gradient kept with sync off, in the reduce dtype
         if acc is not None and acc.dtype != self.reduce_dtype:
             self.accumulated_grad = acc.to(self.reduce_dtype)
+
+    def gained_extension(self) -> bool:
+        """Whether this parameter, not an extension parameter until now, is one: its
+        sharded local tensor (``param._local_tensor``) was given ``fsdp_pre_all_gather``
+        and ``fsdp_post_all_gather`` since ``fully_shard``, as instance attributes or
+        through its class (FSDP2 looks them up on that tensor at every all-gather)."""
+        return not self.extension and self.decide_extension()
+
+    def decide_extension(self) -> bool:
+        """Whether the sharded local tensor uses the all-gather extension now, with the
+        checks and errors of ``fully_shard``; after a storage rebuild (``to_empty``,
+        ``load_state_dict(assign=True)``) the local tensor is a new object, without the
+        methods a user attached to the old one (as in FSDP2, attach them again)."""
+        local = dtensor_local_tensor(self.sharded_param)
+        self.extension = extension_of(self.fqn, local, self.shard_dim)
+        return self.extension
 
     def rename(self, fqn: str) -> None:
         """Its name relative to the root (known at the root's lazy init)."""

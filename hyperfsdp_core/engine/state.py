@@ -175,6 +175,7 @@ class UnitState(BackwardHooks):
         the unsharded parameters, the plugins' gradient reducers, the root's prefetch hook."""
         group = self.group
         assert group is not None
+        group.take_up_late_extensions()
         group.name_unit(self.view, self.fqn)
         group.configure(fill_input=self.port.all_gather_input(self.view))  # asks the transport
         group.init_unsharded()

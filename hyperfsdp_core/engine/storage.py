@@ -125,6 +125,7 @@ def _rebuild(
         registered = p.registered()
         if registered is not p.sharded_param:
             p.adopt(registered)
+        p.decide_extension()  # methods attached to the old local tensor went with it
         if locals_by_param[id(p)].dtype != p.orig_dtype:
             retyped.append(p)
     if retyped:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .._torch_private import dtensor_local_tensor
 from ..comm import Comm, Transport, compose_transport
 from . import held as _held
 from .bucket import Bucket
@@ -146,11 +147,36 @@ class UnitParams:
     def build_sharded(self, locals_by_param: dict[int, torch.Tensor], device: torch.device) -> None:
         """(Re)build every bucket's storage on ``device`` (meta), else where the
         storage policy says (pinned host memory under offload), else on ``device``."""
-        pin = False
-        if device.type != "meta" and self.storage is not None:
-            device, pin = self.storage.device, self.storage.pin_memory
+        device, pin = self._storage_place(device)
         for b in self.buckets:
             b.build_sharded([locals_by_param[id(p)] for p in b.params], device, pin)
+
+    def _storage_place(self, device: torch.device) -> tuple[torch.device, bool]:
+        if device.type != "meta" and self.storage is not None:
+            return self.storage.device, self.storage.pin_memory
+        return device, False
+
+    def take_up_late_extensions(self) -> None:
+        """Parameters whose sharded local tensor was given the all-gather extension's
+        methods after ``fully_shard`` (``param._local_tensor.fsdp_pre_all_gather = ...``)
+        use it from now on, as in FSDP2 (which looks them up at every all-gather): asked at
+        lazy init and after each storage rebuild. They move to extension buckets keeping
+        their local tensor objects (which carry the methods); the other buckets' storage is
+        rebuilt around their shards."""
+        from .extension_bucket import ExtensionBucket
+
+        if not [p for p in self.params if p.gained_extension()]:
+            return
+        self.reshard()
+        locals_by_param = {id(p): dtensor_local_tensor(p.sharded_param) for p in self.params}
+        meta = any(t.is_meta for t in locals_by_param.values())
+        device, pin = self._storage_place(torch.device("meta") if meta else self.device)
+        self.rebucket()
+        for b in self.buckets:
+            if isinstance(b, ExtensionBucket):
+                b.adopt_sharded()
+            else:
+                b.build_sharded([locals_by_param[id(p)] for p in b.params], device, pin)
 
     def init_unsharded(self) -> None:
         for b in self.buckets:

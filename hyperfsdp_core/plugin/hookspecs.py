@@ -201,7 +201,8 @@ def hyperfsdp_transport(unit: UnitView) -> Transport | None:
     own group.
 
     A transport is called as it is, also while a torch dispatch mode (``CommDebugMode``)
-    is active. A default transport (``hyperfsdp-shm``'s) implements this ``trylast`` and
+    is active, which may be on some ranks only: a route must depend only on what every
+    rank agrees on, never on a mode. A default transport (``hyperfsdp-shm``'s) implements this ``trylast`` and
     keeps per-root state in ``unit.root.stash``.
 
     :param unit: the unit.

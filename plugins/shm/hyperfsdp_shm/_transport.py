@@ -27,7 +27,13 @@ from hyperfsdp_core.plugin import Transport
 
 from ._backend import BACKEND, ShmProcessGroup
 from ._settings import settings
-from ._torch_private import dispatch_mode_active, group_timeout
+from ._torch_private import (
+    dispatch_mode_active,
+    group_timeout,
+    modes_set_aside,
+    show_all_gather,
+    show_reduce_scatter,
+)
 
 #: point-to-point forms (:func:`all_gather_p2p`, :func:`reduce_scatter_pair`) where they
 #: apply: plain copies (and one addition), half the bytes of an all-reduce
@@ -97,7 +103,8 @@ class _ThenAfterWait:
         if work is not None:
             self._work = self._then = None
             work.wait()
-            then()
+            with modes_set_aside():  # the route's own copy or addition
+                then()
         return True
 
 
@@ -145,12 +152,30 @@ def reduce_scatter_shm(output: torch.Tensor, input: torch.Tensor, op, group, shm
     shm.reduce_scatter(output, input)
 
 
+def _gathered(rows: list[torch.Tensor]) -> tuple[int, torch.dtype]:
+    """The elements and dtype of the one all-gather FSDP2 would issue for ``rows``."""
+    dtypes = {r.dtype for r in rows}
+    if len(dtypes) == 1:
+        return sum(r.numel() for r in rows), rows[0].dtype
+    return sum(r.numel() * r.element_size() for r in rows), torch.uint8
+
+
 class ShmTransport(Transport):
     """One root's transport (``hyperfsdp_transport``): shared memory between the ranks of
-    one host, else the gloo stand-ins, else gloo's own; on non-gloo groups, and while a
-    torch dispatch mode is active (``CommDebugMode``, a tracer: it then sees every
-    collective as what it is), torch.distributed's own. Holds the root's shared-memory
-    groups, made at each group's first collective (collective itself)."""
+    one host, else the gloo stand-ins, else gloo's own; on non-gloo groups
+    torch.distributed's own. Holds the root's shared-memory groups, made at each group's
+    first collective (collective itself).
+
+    A collective's route depends only on what every member agrees on (the group, the
+    settings, the sizes; whether the shared memory could be set up is agreed at its
+    setup), never on this rank's torch dispatch modes: a mode entered on some ranks only
+    (``FlopCounterMode``, ``CommDebugMode`` around one rank's step) must not make that
+    rank's collectives meet different ones on its peers. While a mode is active, each
+    collective that takes one of the plugin's own routes is shown to it as the c10d op
+    FSDP2 issues for it (``c10d._allgather_base_``, ``c10d._reduce_scatter_base_``, on
+    meta tensors of its sizes, which move nothing), and the route's workings (copies,
+    point-to-point and all-reduce calls, setup) run with the modes set aside.
+    """
 
     def __init__(self, shm: bool | None = None, min_bytes: int | None = None) -> None:
         super().__init__()
@@ -181,37 +206,45 @@ class ShmTransport(Transport):
 
     def shm(self, group):
         """``group``'s shared-memory group, or None (not gloo, one rank, shared memory off,
-        some member cannot map the others' memory, or a dispatch mode is active). Made at
-        the group's first collective, which every member reaches at the same point."""
-        if dispatch_mode_active():
-            return None
+        or some member cannot map the others' memory). Made at the group's first
+        collective, which every member reaches at the same point; its setup's own
+        collectives run with any dispatch mode set aside."""
         if group in self._shm:
             return self._shm[group]
         made = None
-        if isinstance(group, ShmProcessGroup):  # the group's own, shared with its users
-            made = group.transport if self.use_shm else None
-        elif self.use_shm and self.is_gloo(group):
-            rank, world = self.place(group)
-            if world > 1:
-                from ._shm import ShmGroup
+        with modes_set_aside():
+            if isinstance(group, ShmProcessGroup):  # the group's own, shared with its users
+                made = group.transport if self.use_shm else None
+            elif self.use_shm and self.is_gloo(group):
+                rank, world = self.place(group)
+                if world > 1:
+                    from ._shm import ShmGroup
 
-                made = ShmGroup.create(group, rank, world, group_timeout(group))
+                    made = ShmGroup.create(group, rank, world, group_timeout(group))
         self._shm[group] = made
         return made
 
     def shm_made(self, group):
         """What :meth:`shm` returns, if made already (never makes it: that is collective)."""
-        if dispatch_mode_active():
-            return None
         if group in self._shm:
             return self._shm[group]
         if isinstance(group, ShmProcessGroup) and self.use_shm:
             return group.made_transport
         return None
 
+    @staticmethod
+    def _own(run: Callable, show: Callable[[], None]):
+        """Run one of the plugin's own routes (``run``); while a dispatch mode is active,
+        ``show`` it the collective first and run the route with the modes set aside."""
+        if not dispatch_mode_active():
+            return run()
+        show()
+        with modes_set_aside():
+            return run()
+
     # -- the seam -------------------------------------------------------------------------
     def gather_route(self, group, nbytes: int, rows: bool) -> str:
-        if not self.is_gloo(group) or dispatch_mode_active():
+        if not self.is_gloo(group):
             return "native"
         if self.shm(group) is not None:
             return "rows" if rows else "native"
@@ -225,34 +258,42 @@ class ShmTransport(Transport):
 
     def all_gather(self, output, input, group, async_op):
         shm = self.shm(group)
-        if shm is not None:
-            return all_gather_shm(output, input, group, shm)
-        return super().all_gather(output, input, group, async_op)
+        if shm is None:
+            return super().all_gather(output, input, group, async_op)
+        return self._own(
+            partial(all_gather_shm, output, input, group, shm),
+            partial(show_all_gather, output.numel(), output.dtype, group, async_op),
+        )
 
     def all_gather_rows(self, rows, rank, group):
         shm = self.shm(group)
-        if shm is not None:
-            return all_gather_rows_shm(rows, group, shm)
-        return all_gather_p2p(rows, rank, group)
+        run = (
+            partial(all_gather_rows_shm, rows, group, shm)
+            if shm is not None
+            else partial(all_gather_p2p, rows, rank, group)
+        )
+        return self._own(run, partial(show_all_gather, *_gathered(rows), group, True))
 
     def all_gather_in_place(self, buffer, group):
-        return all_gather_by_all_reduce(buffer, group, async_op=True)
+        return self._own(
+            partial(all_gather_by_all_reduce, buffer, group, True),
+            partial(show_all_gather, buffer.numel(), buffer.dtype, group, True),
+        )
 
     def reduce_scatter(self, output, input, group, op, async_op, *, scratch_input=False):
+        show = partial(show_reduce_scatter, input.numel(), input.dtype, group, op, async_op)
         if op == dist.ReduceOp.SUM and input.is_contiguous():
             shm = self.shm(group)
             if shm is not None and shm.ring_order:
-                return reduce_scatter_shm(output, input, op, group, shm)
-        if (
-            scratch_input
-            and input.is_contiguous()
-            and self.is_gloo(group)
-            and not dispatch_mode_active()  # a mode sees torch.distributed's own
-        ):
+                return self._own(partial(reduce_scatter_shm, output, input, op, group, shm), show)
+        if scratch_input and input.is_contiguous() and self.is_gloo(group):
             rank, world = self.place(group)
             if self.gloo_p2p and op == dist.ReduceOp.SUM and world == 2:
-                return reduce_scatter_pair(output, input, op, group, rank)
-            return reduce_scatter_in_place(output, input, op, group, True, rank, world)
+                return self._own(partial(reduce_scatter_pair, output, input, op, group, rank), show)
+            return self._own(
+                partial(reduce_scatter_in_place, output, input, op, group, True, rank, world),
+                show,
+            )
         return super().reduce_scatter(
             output, input, group, op, async_op, scratch_input=scratch_input
         )
