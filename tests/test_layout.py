@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hyperfsdp_core.engine.layout import ShardLayout, actual_lengths, pack_segments
+from hyperfsdp_core.engine.layout import ShardLayout, pack_segments
 
 
 @pytest.mark.parametrize(
@@ -18,7 +18,8 @@ from hyperfsdp_core.engine.layout import ShardLayout, actual_lengths, pack_segme
     ],
 )
 def test_actual_lengths_follow_torch_chunk(size, world, lengths):
-    assert actual_lengths(size, world) == lengths
+    actual = [ShardLayout((size, 2), dim=0, world=world, rank=r).actual_len for r in range(world)]
+    assert actual == lengths
     chunks = [c.shape[0] for c in torch.arange(size).chunk(world)] if size else []
     assert lengths[: len(chunks)] == chunks
     assert sum(lengths) == size
@@ -30,7 +31,6 @@ def test_five_rows_over_two_ranks():
     assert (r0.offset, r1.offset) == (0, 3)
     assert r0.padded_shape == r1.padded_shape == (3, 3)
     assert (r0.padding_numel, r1.padding_numel) == (0, 3)
-    assert r0.padded_unsharded_shape == (6, 3)
     assert not r0.is_even
 
 

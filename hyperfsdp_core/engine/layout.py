@@ -54,10 +54,6 @@ class ShardLayout:
         return self._with_dim(self.chunk)
 
     @property
-    def padded_unsharded_shape(self) -> tuple[int, ...]:
-        return self._with_dim(self.chunk * self.world)
-
-    @property
     def row_numel(self) -> int:
         """Elements per index of the sharded dim."""
         return math.prod(s for i, s in enumerate(self.global_shape) if i != self.dim)
@@ -84,12 +80,6 @@ class ShardLayout:
         shape = list(self.global_shape)
         shape[self.dim] = n
         return tuple(shape)
-
-
-def actual_lengths(size: int, world: int) -> list[int]:
-    """``torch.chunk`` lengths of ``size`` rows over ``world`` ranks (zeros included)."""
-    chunk = math.ceil(size / world) if world else 0
-    return [max(0, min(size - r * chunk, chunk)) for r in range(world)]
 
 
 @attrs.frozen
