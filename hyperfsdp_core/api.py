@@ -297,10 +297,7 @@ def _collect_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]):
         if state is not None and prefix is not None and module not in modules:
             if state not in sub_states:
                 sub_states.append(state)
-                for hp in state.group.params if state.group is not None else ():
-                    sub_params[id(hp.sharded_param)] = sub_params[hp.orig_param_id] = (
-                        f"{prefix}{hp.fqn}"
-                    )
+            _name_sub_unit_params(module, prefix, state, sub_params)
             return
         for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
             if param is None or param in ignored:
@@ -325,6 +322,25 @@ def _collect_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]):
             "unit, e.g. fully_shard([embedding, output]), or shard their common parent"
         )
     return named, registrations, sub_states
+
+
+def _name_sub_unit_params(module: nn.Module, prefix: str, state: Any, names: dict) -> None:
+    """Name, from this call's module, the parameters that the sub-unit ``state`` manages
+    under ``module`` (one of its modules, met at ``prefix``), in ``names`` (by the identity
+    of the sharded and of the replaced parameter), and give the replaced ones that name:
+    ``fully_shard(model.layers[0])`` knew ``weight``, the root's call knows
+    ``layers.0.weight``, which errors about an optimizer built too early then show."""
+    if state.group is None:
+        return
+    paths = {id(m): path for path, m in module.named_modules(remove_duplicate=False)}
+    for hp in state.group.params:
+        for owner, name in hp.module_infos:
+            path = paths.get(id(owner))
+            if path is not None:
+                fqn = f"{prefix}{path}.{name}" if path else f"{prefix}{name}"
+                names[id(hp.sharded_param)] = names[hp.orig_param_id] = fqn
+                RETIRED.rename(hp.orig_param_id, fqn)
+                break
 
 
 def _shard_dim(unit: UnitSpec, fqn: str, param: nn.Parameter) -> int:
