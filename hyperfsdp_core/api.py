@@ -193,7 +193,9 @@ def _unplaced_offload(policy: OffloadPolicy) -> None:
     pm = get_plugin_manager()
     off = []
     if pm.disabled:
-        off.append(f"disabled in this process by {pm.disabled_by}: {', '.join(sorted(pm.disabled))}")
+        off.append(
+            f"disabled in this process by {pm.disabled_by}: {', '.join(sorted(pm.disabled))}"
+        )
     if not pm.autoloaded:
         off.append(
             "installed plugins are not loaded: entry-point autoload is off "
