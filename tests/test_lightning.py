@@ -25,10 +25,22 @@ STEPS = 5
 def parallelize(model, device_mesh, mixed_precision: bool):
     """The ``parallelize_fn`` as Lightning's docs write it: torch's names, imported when it
     runs (the switch decides whose they are)."""
-    import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if mixed_precision else None
+    return _shard(model, device_mesh, mixed_precision, fully_shard, MixedPrecisionPolicy)
+
+
+def parallelize_with_hyperfsdp(model, device_mesh, mixed_precision: bool):
+    """The same ``parallelize_fn`` importing hyperfsdp's names instead (no switch)."""
+    from hyperfsdp_core import MixedPrecisionPolicy, fully_shard
+
+    return _shard(model, device_mesh, mixed_precision, fully_shard, MixedPrecisionPolicy)
+
+
+def _shard(model, device_mesh, mixed_precision, fully_shard, policy_class):
+    import torch
+
+    mp = policy_class(param_dtype=torch.bfloat16) if mixed_precision else None
     kwargs = {"mesh": device_mesh["data_parallel"]}
     if mp is not None:
         kwargs["mp_policy"] = mp
@@ -38,9 +50,11 @@ def parallelize(model, device_mesh, mixed_precision: bool):
     return model
 
 
-def train(use_hyperfsdp: bool, mixed_precision: bool, tied: bool) -> dict:
+def train(route: str, mixed_precision: bool, tied: bool) -> dict:
     """Five AdamW steps of two micro-batches each (the first under Fabric's
-    ``no_backward_sync``), ``fabric.backward`` and ``fabric.clip_gradients``."""
+    ``no_backward_sync``), ``fabric.backward`` and ``fabric.clip_gradients``. ``route``:
+    ``"switch"`` (torch's names under ``use_as_fsdp2()``), ``"import"`` (the
+    ``parallelize_fn`` imports hyperfsdp's), ``"fsdp2"`` (torch's own)."""
     import functools
 
     import torch
@@ -60,10 +74,11 @@ def train(use_hyperfsdp: bool, mixed_precision: bool, tied: bool) -> dict:
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT="29500",  # unused: the process group already exists
     )
-    switch = hyperfsdp_core.use_as_fsdp2() if use_hyperfsdp else None
+    switch = hyperfsdp_core.use_as_fsdp2() if route == "switch" else None
+    fn = parallelize_with_hyperfsdp if route == "import" else parallelize
     try:
         strategy = ModelParallelStrategy(
-            functools.partial(parallelize, mixed_precision=mixed_precision),
+            functools.partial(fn, mixed_precision=mixed_precision),
             data_parallel_size=world,
             tensor_parallel_size=1,
         )
@@ -98,13 +113,16 @@ def train(use_hyperfsdp: bool, mixed_precision: bool, tied: bool) -> dict:
             switch.restore()
 
 
-def both(mixed_precision: bool, tied: bool):
-    return train(True, mixed_precision, tied), train(False, mixed_precision, tied)
+def both(route: str, mixed_precision: bool, tied: bool):
+    return train(route, mixed_precision, tied), train("fsdp2", mixed_precision, tied)
 
 
-@pytest.mark.parametrize(("mixed_precision", "tied"), [(False, False), (True, True)])
-def test_fabric_model_parallel_strategy_gives_fsdp2_losses(run_ranks, mixed_precision, tied):
-    for ours, theirs in run_ranks(2, both, mixed_precision, tied, timeout=600):
+@pytest.mark.parametrize(
+    ("route", "mixed_precision", "tied"),
+    [("switch", False, False), ("switch", True, True), ("import", True, False)],
+)
+def test_fabric_model_parallel_strategy_gives_fsdp2_losses(run_ranks, route, mixed_precision, tied):
+    for ours, theirs in run_ranks(2, both, route, mixed_precision, tied, timeout=600):
         assert ours["sharded_by"] and all(ours["sharded_by"].values()), ours["sharded_by"]
         assert not any(theirs["sharded_by"].values()), theirs["sharded_by"]
         assert ours["losses"] == theirs["losses"]  # bit for bit
