@@ -167,6 +167,25 @@ def test_cpu_offload_without_the_plugin_says_so(run_ranks, how):
             assert "autoload is off" in message
 
 
+def unknown_offload_policy():
+    import attrs
+
+    @attrs.frozen
+    class DiskOffloadPolicy(hyperfsdp_core.OffloadPolicy):
+        """A third-party plugin's policy, with that plugin not installed."""
+
+    try:
+        fully_shard(torch.nn.Linear(2, 2), offload_policy=DiskOffloadPolicy())
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_an_offload_policy_no_plugin_handles_is_named(run_ranks):
+    (message,) = run_ranks(1, unknown_offload_policy)
+    assert "DiskOffloadPolicy" in message and "no loaded plugin places sharded storage" in message
+
+
 def dp_mesh_dims_without_tp_plugin():
     import os
 
