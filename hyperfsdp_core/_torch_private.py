@@ -9,6 +9,9 @@ breaks on a new torch release, this module is the one to adapt.
 
 from __future__ import annotations
 
+import functools
+import importlib
+import types
 from collections.abc import Callable
 
 import torch
@@ -146,17 +149,80 @@ def swap_storage_memory(a: torch.UntypedStorage, b: torch.UntypedStorage) -> Non
     a._swap_data_ptr_(b)  # type: ignore[attr-defined]
 
 
+#: torch's public FSDP2 names (the FSDP2 part of ``torch.distributed.fsdp.__all__``).
+FSDP2_NAMES = (
+    "fully_shard",
+    "FSDPModule",
+    "UnshardHandle",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "CPUOffloadPolicy",
+    "DataParallelMeshDims",
+)
+#: The private modules that define them (torch 2.6+). ``use_as_fsdp2`` re-points the names
+#: where code imports them from, never here, so torch's own objects can always be found.
+_FSDP2_DEFINED_IN = (
+    "torch.distributed.fsdp._fully_shard._fully_shard",
+    "torch.distributed.fsdp._fully_shard._fsdp_api",
+)
+#: Where code imports torch's FSDP2 names from: the public package, and two private aliases
+#: that frameworks use (Lightning's ``ModelParallelStrategy`` imports ``FSDPModule`` from
+#: ``torch.distributed._composable.fsdp``, the path of torch < 2.6).
+_FSDP2_NAMESPACES = (
+    "torch.distributed.fsdp",
+    "torch.distributed.fsdp._fully_shard",
+    "torch.distributed._composable.fsdp",
+)
+#: torch's own modules that bind FSDP2 names when imported and rely on torch's objects:
+#: the pipeline stage calls ``fully_shard.state(module)`` (see :func:`expose_fsdp2_state`).
+_FSDP2_TORCH_USERS = ("torch.distributed.pipelining",)
+
+
+@functools.cache
+def torch_fsdp2_objects() -> dict[str, object]:
+    """torch's own FSDP2 objects by public name (those the installed torch has), read from
+    the modules that define them, which :func:`fsdp2_namespaces` does not include; empty
+    where torch has no ``torch.distributed.fsdp``."""
+    found: dict[str, object] = {}
+    for module_name in _FSDP2_DEFINED_IN:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        found.update({n: getattr(module, n) for n in FSDP2_NAMES if hasattr(module, n)})
+    return found
+
+
+def fsdp2_namespaces() -> list[types.ModuleType]:
+    """The importable modules through which code reaches torch's FSDP2 names."""
+    found = []
+    for module_name in _FSDP2_NAMESPACES:
+        try:
+            found.append(importlib.import_module(module_name))
+        except ImportError:
+            continue
+    return found
+
+
+def bind_torch_fsdp2_users() -> None:
+    """Import torch's own modules that bind FSDP2 names at import, so that they keep
+    torch's objects when ``use_as_fsdp2`` re-points the public names afterwards."""
+    for module_name in _FSDP2_TORCH_USERS:
+        try:
+            importlib.import_module(module_name)
+        except ImportError:
+            continue
+
+
 def torch_fsdp_module_class() -> type | None:
     """torch's FSDP2 ``FSDPModule``, which hyperfsdp's unioned classes also subclass (as
     their last base, after ``nn.Module``: every attribute hyperfsdp, a plugin mixin or the
     original class defines wins) so that torch's pipelining (and torchtitan) recognise a
     hyperfsdp unit as FSDP. The class is public; that pipelining recognises FSDP by it is
     not documented. ``None`` where torch has no ``torch.distributed.fsdp``."""
-    try:
-        from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
-    except ImportError:  # a torch built without distributed support
-        return None
-    return TorchFSDPModule
+    return torch_fsdp2_objects().get("FSDPModule")  # type: ignore[return-value]
 
 
 def expose_fsdp2_state(module: torch.nn.Module, state: object) -> None:
@@ -165,14 +231,14 @@ def expose_fsdp2_state(module: torch.nn.Module, state: object) -> None:
     torch's pipeline stage reads it at each step's gradient reduction (see above). The
     accessor looks the state up in ``module.__dict__[STATE_KEY]`` (``_composable.contract``)
     under the undecorated ``fully_shard`` function (``fully_shard.__wrapped__``, set by
-    ``functools.wraps``); both are private.
+    ``functools.wraps``); both are private. torch's own ``fully_shard``, also while
+    ``use_as_fsdp2`` points the public name at hyperfsdp's.
     """
     try:
         from torch.distributed._composable.contract import STATE_KEY
-        from torch.distributed.fsdp import fully_shard as torch_fully_shard
     except ImportError:
         return
-    key = getattr(torch_fully_shard, "__wrapped__", None)
+    key = getattr(torch_fsdp2_objects().get("fully_shard"), "__wrapped__", None)
     if key is None:
         return
     module.__dict__.setdefault(STATE_KEY, {})[key] = state

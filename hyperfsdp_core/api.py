@@ -25,8 +25,16 @@ from .engine.state import UnitState
 from .engine.unit_params import UnitParams
 from .module import FSDPModule, fsdp_class
 from .plugin.dispatch import DISPATCH
-from .plugin.manager import get_plugin_manager
-from .policies import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from .plugin.manager import DISABLE_AUTOLOAD_ENV, get_plugin_manager
+from .policies import (
+    CPUOffloadPolicy,
+    DataParallelMeshDims,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    as_dp_mesh_dims,
+    as_mp_policy,
+    as_offload_policy,
+)
 from .retired import RETIRED, install_optimizer_check
 from .state_dict import register_state_dict_hooks
 
@@ -52,8 +60,12 @@ def fully_shard(
 
     Apply bottom-up: each call forms one communication group of the parameters that
     no earlier call on a submodule manages. Returns ``module`` (its class unioned with
-    :class:`FSDPModule`), or the list when given a list.
+    :class:`FSDPModule`), or the list when given a list. The policies may be torch's own
+    (``torch.distributed.fsdp.MixedPrecisionPolicy``, ``OffloadPolicy``,
+    ``CPUOffloadPolicy``), with the same meaning.
     """
+    mp_policy, offload_policy = as_mp_policy(mp_policy), as_offload_policy(offload_policy)
+    dp_mesh_dims = as_dp_mesh_dims(dp_mesh_dims)
     modules = _root_modules(module)
     mesh_was_default = mesh is None
     mesh = mesh if mesh is not None else default_mesh()
@@ -110,10 +122,7 @@ def _decide(unit: UnitSpec) -> _UnitPlan:
     hook.hyperfsdp_validate_unit(unit=unit)
     storage = hook.hyperfsdp_sharded_storage(unit=unit)
     if storage is None and type(unit.offload_policy) is not OffloadPolicy:
-        raise ImportError(
-            f"offload_policy={unit.offload_policy!r} needs a plugin that places sharded storage "
-            "(none installed answered hyperfsdp_sharded_storage): pip install hyperfsdp[offload]"
-        )
+        _unplaced_offload(unit.offload_policy)
     params = []
     for fqn, param in unit.named_params:
         mesh_info = hook.hyperfsdp_select_mesh_info(unit=unit, fqn=fqn, param=param)
@@ -176,6 +185,34 @@ def _build(
 
 
 # -- helpers ------------------------------------------------------------------------------------
+
+
+def _unplaced_offload(policy: OffloadPolicy) -> None:
+    """Raise for an offload policy that no loaded plugin places sharded storage for."""
+    pm = get_plugin_manager()
+    off = []
+    if pm.disabled:
+        off.append(
+            f"disabled in this process by {pm.disabled_by}: {', '.join(sorted(pm.disabled))}"
+        )
+    if not pm.autoloaded:
+        off.append(
+            "installed plugins are not loaded: entry-point autoload is off "
+            f"({DISABLE_AUTOLOAD_ENV} or autoload=False)"
+        )
+    note = f" ({'; '.join(off)})" if off else ""
+    if isinstance(policy, CPUOffloadPolicy):
+        raise ImportError(
+            f"offload_policy={policy!r} needs the offload plugin (pip install "
+            f"hyperfsdp[offload]), which is not loaded in this process{note}. Pass "
+            "OffloadPolicy() (the default) to keep parameters on the compute device"
+        )
+    raise ValueError(
+        f"offload_policy={policy!r}: no loaded plugin places sharded storage for a "
+        f"{type(policy).__qualname__} (none answered hyperfsdp_sharded_storage){note}. Install "
+        "the plugin that defines it, or pass OffloadPolicy() (no offload) or CPUOffloadPolicy() "
+        "(pip install hyperfsdp[offload])"
+    )
 
 
 def default_mesh() -> DeviceMesh:
@@ -261,10 +298,7 @@ def _collect_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]):
         if state is not None and prefix is not None and module not in modules:
             if state not in sub_states:
                 sub_states.append(state)
-                for hp in state.group.params if state.group is not None else ():
-                    sub_params[id(hp.sharded_param)] = sub_params[hp.orig_param_id] = (
-                        f"{prefix}{hp.fqn}"
-                    )
+            _name_sub_unit_params(module, prefix, state, sub_params)
             return
         for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
             if param is None or param in ignored:
@@ -289,6 +323,25 @@ def _collect_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]):
             "unit, e.g. fully_shard([embedding, output]), or shard their common parent"
         )
     return named, registrations, sub_states
+
+
+def _name_sub_unit_params(module: nn.Module, prefix: str, state: Any, names: dict) -> None:
+    """Name, from this call's module, the parameters that the sub-unit ``state`` manages
+    under ``module`` (one of its modules, met at ``prefix``), in ``names`` (by the identity
+    of the sharded and of the replaced parameter), and give the replaced ones that name:
+    ``fully_shard(model.layers[0])`` knew ``weight``, the root's call knows
+    ``layers.0.weight``, which errors about an optimizer built too early then show."""
+    if state.group is None:
+        return
+    paths = {id(m): path for path, m in module.named_modules(remove_duplicate=False)}
+    for hp in state.group.params:
+        for owner, name in hp.module_infos:
+            path = paths.get(id(owner))
+            if path is not None:
+                fqn = f"{prefix}{path}.{name}" if path else f"{prefix}{name}"
+                names[id(hp.sharded_param)] = names[hp.orig_param_id] = fqn
+                RETIRED.rename(hp.orig_param_id, fqn)
+                break
 
 
 def _shard_dim(unit: UnitSpec, fqn: str, param: nn.Parameter) -> int:

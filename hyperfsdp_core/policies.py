@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import attrs
 import torch
 from attrs import validators as v
+
+from ._torch_private import torch_fsdp2_objects
 
 _opt_dtype = v.optional(v.instance_of(torch.dtype))
 
@@ -74,3 +78,84 @@ def _as_names(value) -> tuple[str, ...]:
     if value is None:
         return ()
     return (value,) if isinstance(value, str) else tuple(value)
+
+
+# -- torch's own FSDP2 policy objects -------------------------------------------------------------
+#
+# Frameworks build torch's policy objects themselves (accelerate's FSDP2 plugin always passes
+# torch's ``OffloadPolicy()``), so ``fully_shard`` accepts them wherever it accepts its own and
+# turns them into these records, with the same meaning. torch's classes are found where torch
+# defines them, which ``use_as_fsdp2()`` leaves alone.
+
+
+def _torch_class(name: str) -> type | None:
+    return torch_fsdp2_objects().get(name)  # type: ignore[return-value]
+
+
+def as_mp_policy(policy) -> MixedPrecisionPolicy:
+    """``fully_shard(mp_policy=...)`` as this module's record: hyperfsdp's as is, torch's
+    ``MixedPrecisionPolicy`` field by field, ``None`` as the default (no mixed precision)."""
+    if policy is None:
+        return MixedPrecisionPolicy()
+    if isinstance(policy, MixedPrecisionPolicy):
+        return policy
+    theirs = _torch_class("MixedPrecisionPolicy")
+    if theirs is not None and isinstance(policy, theirs):
+        return MixedPrecisionPolicy(**_fields_of(policy, MixedPrecisionPolicy, theirs))
+    raise TypeError(
+        "fully_shard(mp_policy=...) expects a MixedPrecisionPolicy (hyperfsdp_core's or "
+        f"torch.distributed.fsdp's), got {policy!r} of type {type(policy).__qualname__}"
+    )
+
+
+def as_offload_policy(policy) -> OffloadPolicy:
+    """``fully_shard(offload_policy=...)`` as this module's record: hyperfsdp's as is (a
+    third-party plugin's subclass included), torch's ``CPUOffloadPolicy`` as
+    :class:`CPUOffloadPolicy` with its ``pin_memory``, any other torch ``OffloadPolicy`` as
+    :class:`OffloadPolicy` (FSDP2 offloads only for ``CPUOffloadPolicy``), ``None`` as the
+    default (no offload, as FSDP2 treats it)."""
+    if policy is None:
+        return OffloadPolicy()
+    if isinstance(policy, OffloadPolicy):
+        return policy
+    cpu, base = _torch_class("CPUOffloadPolicy"), _torch_class("OffloadPolicy")
+    if cpu is not None and isinstance(policy, cpu):
+        return CPUOffloadPolicy(pin_memory=bool(policy.pin_memory))
+    if base is not None and isinstance(policy, base):
+        return OffloadPolicy()
+    raise TypeError(
+        "fully_shard(offload_policy=...) expects an OffloadPolicy or CPUOffloadPolicy "
+        f"(hyperfsdp_core's or torch.distributed.fsdp's), got {policy!r} of type "
+        f"{type(policy).__qualname__}"
+    )
+
+
+def as_dp_mesh_dims(dims) -> DataParallelMeshDims | None:
+    """``fully_shard(dp_mesh_dims=...)`` as this module's record: ``None`` and hyperfsdp's
+    as they are, torch's ``DataParallelMeshDims`` field by field."""
+    if dims is None or isinstance(dims, DataParallelMeshDims):
+        return dims
+    theirs = _torch_class("DataParallelMeshDims")
+    if theirs is not None and isinstance(dims, theirs):
+        return DataParallelMeshDims(**_fields_of(dims, DataParallelMeshDims, theirs))
+    raise TypeError(
+        "fully_shard(dp_mesh_dims=...) expects a DataParallelMeshDims (hyperfsdp_core's or "
+        f"torch.distributed.fsdp's) or None, got {dims!r} of type {type(dims).__qualname__}"
+    )
+
+
+def _fields_of(policy, ours: type, theirs: type) -> dict:
+    """``policy``'s fields that ``ours`` has; a field only torch's class has must hold its
+    default (a newer torch's option this version does not implement is an error, not ignored)."""
+    names = {a.name for a in attrs.fields(ours)}
+    values = {}
+    for field in dataclasses.fields(theirs):
+        value = getattr(policy, field.name)
+        if field.name in names:
+            values[field.name] = value
+        elif field.default is dataclasses.MISSING or value != field.default:
+            raise ValueError(
+                f"torch's {theirs.__name__}({field.name}={value!r}) is not supported by "
+                f"hyperfsdp's {ours.__name__}, which has the fields {sorted(names)}"
+            )
+    return values

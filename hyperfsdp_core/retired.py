@@ -27,6 +27,13 @@ class RetiredParams:
         key = id(param)
         self._entries[key] = (weakref.ref(param, lambda _, k=key: self._entries.pop(k, None)), fqn)
 
+    def rename(self, param_id: int, fqn: str) -> None:
+        """Give the replaced parameter whose identity is ``param_id`` a longer FQN (a parent's
+        ``fully_shard`` names it from the parent)."""
+        entry = self._entries.get(param_id)
+        if entry is not None:
+            self._entries[param_id] = (entry[0], fqn)
+
     def get(self, param: Any) -> str | None:
         entry = self._entries.get(id(param))
         return entry[1] if entry is not None and entry[0]() is param else None

@@ -8,7 +8,8 @@ Every import counts: at module level, under ``if TYPE_CHECKING:``, and inside a 
     2  engine                       parameters, buckets, reductions, the hook state machine
     3  plugin                       the public plugin API, hookspecs, manager, views, dispatch
     4  api, module, state_dict,     fully_shard, FSDPModule, state-dict hooks, replaced
-       retired, the package         parameters, the top-level names
+       retired, drop_in, the        parameters, use_as_fsdp2, the top-level names
+       package
     5  cli, testing, __main__       the command, the test harness
 
 A module may import modules of a lower layer freely, and modules of its own layer
@@ -39,6 +40,7 @@ LAYERS: dict[str, int] = {
     "module": 4,
     "state_dict": 4,
     "retired": 4,
+    "drop_in": 4,
     "": 4,  # the package's __init__: the public names
     "cli": 5,
     "testing": 5,

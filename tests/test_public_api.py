@@ -315,3 +315,24 @@ def test_hookspec_signatures_name_only_public_types():
     assert used == set()
     for name in ("UnitSpec", "UnitView", "ParamView", "RootView", "MeshInfo", "Reduction"):
         assert name in plugin.__all__
+
+
+def test_top_level_names_are_the_contracts():
+    """``hyperfsdp_core``'s public names are exactly those the API contract lists."""
+    assert set(hyperfsdp_core.__all__) == {
+        "CPUOffloadPolicy",
+        "DataParallelMeshDims",
+        "FSDPModule",
+        "MixedPrecisionPolicy",
+        "OffloadPolicy",
+        "UnshardHandle",
+        "fully_shard",
+        "get_plugin_manager",
+        "hookimpl",
+        "register_fsdp_forward_method",
+        "share_comm_ctx",
+        "use_as_fsdp2",
+    }
+    for name in hyperfsdp_core.__all__:
+        assert getattr(hyperfsdp_core, name) is not None
+    assert callable(hyperfsdp_core.use_as_fsdp2)

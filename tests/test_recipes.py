@@ -161,6 +161,36 @@ def test_optimizer_built_before_fully_shard_is_an_error(run_ranks):
     assert "'0.weight'" in message and "after fully_shard" in message
 
 
+def optimizer_too_early_per_block(first: str):
+    """The usual recipe (a unit per block, a [norm, output] list unit, the root), with the
+    optimizer built before it; ``first``: the parameter the optimizer holds first."""
+    torch.manual_seed(0)
+    model = Transformer(vocab=VOCAB, dim=DIM, n_layers=2, n_heads=2, hidden=20)
+    param = dict(model.named_parameters())[first]
+    opt = torch.optim.SGD([param, *(p for p in model.parameters() if p is not param)], lr=0.1)
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard([model.norm, model.output])
+    fully_shard(model)
+    x, y = token_batch(0, 2 * dist.get_world_size(), SEQ, VOCAB)
+    lm_loss(model(local_slice(x)), local_slice(y)).backward()
+    try:
+        opt.step()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "first", ["layers.0.attn.wqkv.weight", "layers.1.mlp.w2.weight", "output.weight", "norm.weight"]
+)
+def test_optimizer_error_names_the_fqn_from_the_root(run_ranks, first):
+    # the block's own fully_shard knew "attn.wqkv.weight", the list unit "[1].weight": the
+    # root's call names them from the model
+    for message in run_ranks(2, optimizer_too_early_per_block, first):
+        assert f"holds parameter {first!r} as it was before" in message
+
+
 def post_optim_event():
     model = nn.Linear(4, 4)
     fully_shard(model)
