@@ -57,12 +57,24 @@ def is_complete(path: Path) -> bool:
     return (path / METADATA_FILE).is_file()
 
 
+#: Why a ``step-N`` directory without ``.metadata`` is damaged: saves write into
+#: ``.step-N.partial`` and rename it only once ``.metadata`` is there.
+MISSING_METADATA = (
+    "missing (deleted, or the directory was copied half-way: a save renames a checkpoint "
+    "to step-N only once it is complete)"
+)
+NO_METADATA = f"damaged: {METADATA_FILE} {MISSING_METADATA}"
+
+
 @attrs.frozen
 class Listing:
-    """The checkpoints under a manager's directory."""
+    """The checkpoints under a manager's directory: ``complete`` ones, ``damaged`` ones
+    (``step-N`` directories without ``.metadata``), and everything ``ignored`` on resume
+    (the damaged ones and the partial directories of unfinished or failed saves), with why."""
 
     complete: dict[int, Path]
     ignored: list[tuple[Path, str]]
+    damaged: dict[int, Path] = attrs.field(factory=dict)
 
     @property
     def steps(self) -> list[int]:
@@ -71,9 +83,10 @@ class Listing:
 
 def list_checkpoints(root: Path) -> Listing:
     complete: dict[int, Path] = {}
+    damaged: dict[int, Path] = {}
     ignored: list[tuple[Path, str]] = []
     if not root.is_dir():
-        return Listing(complete, ignored)
+        return Listing(complete, ignored, damaged)
     for entry in sorted(root.iterdir()):
         if not entry.is_dir():
             continue
@@ -82,7 +95,8 @@ def list_checkpoints(root: Path) -> Listing:
             if is_complete(entry):
                 complete[int(match.group(1))] = entry
             else:
-                ignored.append((entry, f"incomplete: no {METADATA_FILE}"))
+                damaged[int(match.group(1))] = entry
+                ignored.append((entry, NO_METADATA))
         elif match := PARTIAL_RE.match(entry.name):
             why = (
                 "failed save (reports of its ranks)"
@@ -90,7 +104,7 @@ def list_checkpoints(root: Path) -> Listing:
                 else ("unfinished save (partial)")
             )
             ignored.append((entry, why))
-    return Listing(complete, ignored)
+    return Listing(complete, ignored, damaged)
 
 
 # -- agreement between ranks -------------------------------------------------------------------
@@ -439,10 +453,11 @@ def check_present(path: Path) -> None:
     if not path.is_dir():
         raise CheckpointLoadError(f"no checkpoint directory at {path}", path=path)
     if not is_complete(path):
+        problem = _checksum.Problem(METADATA_FILE, MISSING_METADATA)
         raise CheckpointLoadError(
-            f"{path} is not a complete checkpoint (no {METADATA_FILE}: the save did not finish); "
-            "load an earlier one",
+            f"{path} is not a complete checkpoint: {problem}; load an earlier one",
             path=path,
+            problems=[problem],
         )
 
 

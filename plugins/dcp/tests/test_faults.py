@@ -202,6 +202,57 @@ def test_damaged_checkpoints(run_ranks, tmp_path, capsys):
     ), text
 
 
+def metadata_deleted(root: str) -> tuple[int, list[str], bool]:
+    """Steps 2 and 4 saved, then step-4's ``.metadata`` deleted: resume() names step-4 as
+    damaged in its warning and loads step 2, bit for bit."""
+    root = Path(root)
+    model = shard(build(KIND))
+    opt = optimizer(model)
+    manager = new_manager(root, model, opt)
+    for step in range(4):
+        train_step(KIND, model, opt, step)
+        manager.maybe_save(step + 1)
+        if step + 1 == 2:
+            at_2 = full_state(model, opt)
+    manager.close()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (root / "step-4" / ".metadata").unlink()
+    dist.barrier()
+    fresh = shard(build(KIND, seed=3))
+    fresh_opt = optimizer(fresh)
+    resumer = new_manager(root, fresh, fresh_opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        start = resumer.resume()
+    resumer.close()
+    skipped = [str(w.message) for w in caught if "resume skips" in str(w.message)]
+    assert_bitwise(full_state(fresh, fresh_opt), at_2, "resumed from step 2")
+    return start, skipped, resumer.steps() == [2]
+
+
+def test_checkpoint_without_metadata_is_reported_damaged(run_ranks, tmp_path, capsys):
+    root = tmp_path / "ckpt"
+    for start, skipped, steps in run_ranks(2, metadata_deleted, str(root)):
+        assert start == 2 and steps, (start, steps)
+        assert len(skipped) == 1, skipped
+        assert f"resume skips {root / 'step-4'}" in skipped[0], skipped
+        assert ".metadata: missing (deleted, or the directory was copied half-way" in (
+            skipped[0]
+        ), skipped
+    # offline: verify names it and fails, for the directory and for the manager root
+    result = verify_checkpoint(root / "step-4")
+    assert not result.ok and [p.file for p in result.problems] == [".metadata"], str(result)
+    capsys.readouterr()
+    assert main(["ckpt", "verify", str(root)]) == 1
+    text = capsys.readouterr().out.splitlines()
+    assert text[0] == f"{root / 'step-4'}: DAMAGED, 1 problem:", text
+    assert text[1].startswith("  .metadata: missing (deleted"), text
+    assert text[2].startswith(f"{root / 'step-2'}: OK, 2 data files"), text
+    assert main(["ckpt", "verify", str(root), "--step", "4"]) == 1
+    assert main(["ckpt", "verify", str(root / "step-4")]) == 1
+
+
 # -- killed and stopped ranks -------------------------------------------------------------------
 
 
