@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from . import _checksum
+from . import _checksum, _diagnose
 from ._errors import CheckpointLoadError, CheckpointSaveError
 from ._state import MODEL, OPTIM, RNG, TRAINER, TrainState, flatten, rank_key, set_rng_state
 from ._torch_private import group_timeout
@@ -138,6 +138,38 @@ def error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
+def own_failure(error: BaseException | None, rank: int) -> BaseException | None:
+    """This rank's own part of ``error``: DCP raises the same ``CheckpointException`` on
+    every rank, naming the ranks whose local step failed; a rank it does not name did its
+    part (its outcome is no failure: the named ranks report theirs)."""
+    if isinstance(error, CheckpointException):
+        wrapped = error.failures.get(rank)
+        return wrapped[0] if isinstance(wrapped, tuple) else wrapped
+    return error
+
+
+Outcome = tuple[str | None, str | None]
+
+
+def outcome(error: BaseException | None, rank: int, note: str | None = None) -> Outcome:
+    """``(own, seen)``: this rank's own failure (with ``note``, what the filesystem said
+    about it, first), and all it saw (DCP's report of every rank), as text."""
+    if error is None:
+        return None, None
+    own = own_failure(error, rank)
+    own_text = None if own is None else error_text(own)
+    if own_text is not None and note:
+        own_text = f"{note} (the error: {own_text})"
+    return own_text, error_text(error)
+
+
+def failures_of(outcomes: list[Outcome]) -> list[tuple[int, str]]:
+    """The ranks that failed and why: those that report a failure of their own; if none
+    does (a report naming ranks some other way), every rank that saw one."""
+    own = [(r, o) for r, (o, _) in enumerate(outcomes) if o is not None]
+    return own or [(r, seen) for r, (_, seen) in enumerate(outcomes) if seen is not None]
+
+
 def gather(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
     """``value`` of every rank, on every rank; raises :class:`PeerLost` when a peer does
     not take part (bounded by the group's timeout)."""
@@ -154,11 +186,10 @@ def gather(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
 def agree(error: BaseException | None, group: dist.ProcessGroup | None) -> list[tuple[int, str]]:
     """Every rank's outcome of a local step, gathered on every rank: ``[(rank, error)]``.
 
-    Also a barrier. Runs on ``group`` (whose timeout bounds it).
+    A rank is named for its own failures only (see :func:`own_failure`). Also a barrier.
+    Runs on ``group`` (whose timeout bounds it).
     """
-    mine = None if error is None else error_text(error)
-    outcomes = gather(mine, group)
-    return [(r, e) for r, e in enumerate(outcomes) if e is not None]
+    return failures_of(gather(outcome(error, _rank(group)), group))
 
 
 def _failures_text(failures: list[tuple[int, str]]) -> str:
@@ -274,6 +305,12 @@ def peer_lost(pending: PendingSave, mine: str | None, lost: PeerLost, group) -> 
     )
 
 
+def _text(error: BaseException | None, group: dist.ProcessGroup | None) -> str | None:
+    """This rank's failure for its report after a lost peer: its own, else all it saw."""
+    own, seen = outcome(error, _rank(group))
+    return own or seen
+
+
 def begin_save(
     final: Path,
     build: Callable[[], dict[str, Any]],
@@ -305,9 +342,7 @@ def begin_save(
     try:
         failures = agree(error, group)
     except PeerLost as lost:
-        raise peer_lost(pending, None if error is None else error_text(error), lost, group) from (
-            error or lost
-        )
+        raise peer_lost(pending, _text(error, group), lost, group) from (error or lost)
     if failures:
         raise _save_error(
             pending, failures, "nothing was written; earlier checkpoints are intact"
@@ -380,27 +415,30 @@ def commit(
     ``housekeeping`` (deleting old checkpoints) runs on the coordinator right after the
     rename; every rank returns after it.
     """
+    rank = _rank(group)
     sums: dict[str, Any] = {}
+    note = None
     if error is None:
         try:
             sums = _checksum.compute(
-                pending.partial,
-                _checksum.own_files(pending.partial, _rank(group), _rank(group) == 0),
+                pending.partial, _checksum.own_files(pending.partial, rank, rank == 0)
             )
         except OSError as exc:
             error = exc
-    mine = None if error is None else error_text(error)
+    elif own_failure(error, rank) is not None:  # this rank's write failed: ask the disk why
+        note = _diagnose.write_failure(pending.partial, _own_paths(pending.partial, rank))
+    mine = outcome(error, rank, note)
     try:
         outcomes = gather((mine, sums), group)
     except PeerLost as lost:
-        raise peer_lost(pending, mine, lost, group) from (error or lost)
-    failures = [(r, e) for r, (e, _) in enumerate(outcomes) if e is not None]
+        raise peer_lost(pending, mine[0] or mine[1], lost, group) from (error or lost)
+    failures = failures_of([o for o, _ in outcomes])
     if failures:
         _on_coordinator(group, lambda: shutil.rmtree(pending.partial, ignore_errors=True))
         try:
             agree(None, group)  # nobody returns before the partial files are gone
         except PeerLost as lost:
-            raise peer_lost(pending, mine, lost, group) from (error or lost)
+            raise peer_lost(pending, mine[0] or mine[1], lost, group) from (error or lost)
         raise _save_error(
             pending,
             failures,
@@ -429,9 +467,17 @@ def commit(
     try:
         failures = agree(error, group)
     except PeerLost as lost:
-        raise peer_lost(pending, mine, lost, group) from lost
+        raise peer_lost(pending, mine[0] or mine[1], lost, group) from lost
     if failures:
         raise _save_error(pending, failures, "committing it failed; earlier checkpoints are intact")
+
+
+def _own_paths(directory: Path, rank: int) -> list[Path]:
+    """The files this rank was writing into ``directory`` (none if it cannot be listed)."""
+    try:
+        return [directory / n for n in _checksum.own_files(directory, rank, rank == 0)]
+    except OSError:
+        return []
 
 
 # -- loading --------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
 import warnings
@@ -251,6 +252,42 @@ def test_checkpoint_without_metadata_is_reported_damaged(run_ranks, tmp_path, ca
     assert text[2].startswith(f"{root / 'step-2'}: OK, 2 data files"), text
     assert main(["ckpt", "verify", str(root), "--step", "4"]) == 1
     assert main(["ckpt", "verify", str(root / "step-4")]) == 1
+
+
+def test_full_disk_is_named(tmp_path):
+    """A save onto a full tmpfs (mounted in a private mount namespace) says ENOSPC and
+    where, not only torch's ``unexpected pos``; the earlier checkpoint stays, and once there
+    is room the next save works."""
+    job = Path(__file__).with_name("full_disk_job.py")
+    mount, out = tmp_path / "mnt", tmp_path / "out"
+    out.mkdir()
+    if shutil.which("unshare") is None:
+        pytest.skip("needs util-linux's unshare to mount a private tmpfs")
+    unshare = ["unshare", "-m"] if os.geteuid() == 0 else ["unshare", "-rm"]
+    proc = subprocess.run(
+        [*unshare, sys.executable, str(job), str(mount), str(tmp_path / "store"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if proc.returncode == 3 or (proc.returncode != 0 and "unshare" in proc.stderr[:200]):
+        pytest.skip(f"cannot mount a private tmpfs here: {proc.stderr.strip()[-300:]}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    partial = mount / "ckpt" / ".step-4.partial"
+    for rank in range(2):
+        r = json.loads((out / f"rank-{rank}.json").read_text())
+        message = r["message"]
+        assert r["step"] == 4 and r["ranks"] and set(r["ranks"]) <= {0, 1}, r
+        assert f"saving step 4 ({mount / 'ckpt' / 'step-4'}) failed on rank" in message, message
+        named = (
+            f"writing to {partial} fails with ENOSPC: No space left on device; its filesystem "
+            f"has 0 of {8 << 20} bytes free (the error: "
+        )
+        assert named in message, message
+        # each failing rank says so (ranks with the same text are named together)
+        assert message.count(named) == len(set(message.split("(the error: ")[1:])), message
+        assert "unexpected pos" in message, message  # torch.save lost the OSError there
+        assert r["after_failure"] == [2] and r["after_freeing"] == [2, 4], r
 
 
 # -- killed and stopped ranks -------------------------------------------------------------------
