@@ -10,6 +10,7 @@ before any tensor is read, when keys, global shapes or dtypes do not match.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import re
 import shutil
@@ -27,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from . import _checksum, _diagnose
+from . import _checksum, _diagnose, _peers
 from ._errors import CheckpointLoadError, CheckpointSaveError
 from ._state import MODEL, OPTIM, RNG, TRAINER, TrainState, flatten, rank_key, set_rng_state
 from ._torch_private import group_timeout
@@ -228,6 +229,10 @@ class PendingSave:
     grace: float = 60.0  # seconds to wait for the reports of the ranks of a failed save
     attempt: int = 0
     future: Future | None = None  # async saves
+    #: every rank's place and process id, learnt when the save began (``_peers``)
+    peers: list | None = None
+    #: what identifies this save's ``.metadata`` (kept by the rename): whether it was committed
+    fingerprint: tuple[int, int, int] | None = None
 
     @property
     def what(self) -> str:
@@ -254,40 +259,75 @@ def _save_error(
     )
 
 
+def _fingerprint(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_mtime_ns
+
+
+def _write_report(pending: PendingSave, rank: int, mine: str | None, dead: dict[int, int]) -> None:
+    try:
+        pending.reports.mkdir(parents=True, exist_ok=True)
+        tmp = pending.reports / f".rank-{rank}.tmp"
+        tmp.write_text(json.dumps({"error": mine, "dead": dead}))
+        os.replace(tmp, pending.reports / f"rank-{rank}")
+    except OSError:
+        pass
+
+
+def _read_report(pending: PendingSave, rank: int) -> dict[str, Any] | None:
+    try:
+        report = json.loads((pending.reports / f"rank-{rank}").read_text())
+    except (OSError, ValueError):
+        return None
+    report["dead"] = {int(r): pid for r, pid in report.get("dead", {}).items()}
+    return report
+
+
 def peer_lost(pending: PendingSave, mine: str | None, lost: PeerLost, group) -> CheckpointSaveError:
     """The save's collectives failed (a rank died, stopped or lost its connection): find out
     which ranks are still there, through the checkpoint directory (every rank sees it).
 
-    Each surviving rank writes a report (its own error, or none) under ``.<name>.failed/``
-    and waits up to twice the group's timeout for the others' (a survivor blocked on another
-    survivor that gave up notices only at its own timeout); the ranks that never report are the
-    failing ones. Returns the error to raise, the same on every surviving rank.
+    Each surviving rank writes a report (its own error, if any, and the ranks on its host
+    whose process has exited) under ``.<name>.failed/`` and waits for the others': until
+    every rank has reported or is known dead (its process on some survivor's host has
+    exited), at most twice the group's timeout (a survivor blocked on another survivor that
+    gave up notices only at its own timeout). The ranks that never report are the failing
+    ones. Whether the coordinator committed the checkpoint before is read from the disk
+    (its ``.metadata`` is this save's under the final name). Returns the error to raise,
+    the same on every surviving rank.
     """
     rank, world = _rank(group), _world(group)
-    try:
-        pending.reports.mkdir(parents=True, exist_ok=True)
-        tmp = pending.reports / f".rank-{rank}.tmp"
-        tmp.write_text(mine or "")
-        os.replace(tmp, pending.reports / f"rank-{rank}")
-    except OSError:
-        pass
+    others = [r for r in range(world) if r != rank]
+    dead = _peers.dead_here(pending.peers, others)
+    _write_report(pending, rank, mine, dead)
     deadline = time.monotonic() + pending.grace
-    seen: dict[int, str] = {}
+    seen: dict[int, str | None] = {}
     while True:
         for r in range(world):
-            if r not in seen:
-                try:
-                    seen[r] = (pending.reports / f"rank-{r}").read_text()
-                except OSError:
-                    pass
-        if len(seen) == world or time.monotonic() >= deadline:
+            if r not in seen and (report := _read_report(pending, r)) is not None:
+                seen[r] = report.get("error")
+                dead.update(report["dead"])
+        waiting = [r for r in range(world) if r not in seen and r not in dead]
+        if not waiting or time.monotonic() >= deadline:
             break
         time.sleep(0.05)
+        dead.update(_peers.dead_here(pending.peers, waiting))
     silent = [r for r in range(world) if r not in seen]
     reported = [(r, text) for r, text in sorted(seen.items()) if text]
+    committed = pending.fingerprint is not None and pending.fingerprint == _fingerprint(
+        pending.final / METADATA_FILE
+    )
     if silent:  # the survivors' own errors are most likely the lost peer's doing
         failures = [
-            (r, f"no report within {pending.grace:g} s (killed, stopped or disconnected)")
+            (
+                r,
+                f"its process (pid {dead[r]}) exited"
+                if r in dead
+                else f"no report within {pending.grace:g} s (killed, stopped or disconnected)",
+            )
             for r in silent
         ]
         seen_text = _failures_text(reported) if reported else str(lost)
@@ -295,6 +335,17 @@ def peer_lost(pending: PendingSave, mine: str | None, lost: PeerLost, group) -> 
     else:
         failures = reported or [(rank, f"a collective failed: {lost}")]
         tail = f"then a collective failed: {lost}"
+    if committed:
+        ranks = sorted({r for r, _ in failures})
+        who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        return CheckpointSaveError(
+            f"{pending.what}: the checkpoint was committed ({pending.final} is complete: "
+            "`hyperfsdp ckpt verify` checks it and resume() loads it), but then "
+            f"{who} stopped answering ({_failures_text(failures)}); {tail}",
+            step=pending.step,
+            ranks=ranks,
+            committed=True,
+        )
     if rank == min(seen, default=rank) and 0 not in silent:
         shutil.rmtree(pending.partial, ignore_errors=True)
     return _save_error(
@@ -340,9 +391,11 @@ def begin_save(
         except Exception as exc:
             error = exc
     try:
-        failures = agree(error, group)
+        outcomes = gather((outcome(error, _rank(group)), _peers.identity()), group)
     except PeerLost as lost:
         raise peer_lost(pending, _text(error, group), lost, group) from (error or lost)
+    pending.peers = [who for _, who in outcomes]
+    failures = failures_of([o for o, _ in outcomes])
     if failures:
         raise _save_error(
             pending, failures, "nothing was written; earlier checkpoints are intact"
@@ -419,6 +472,8 @@ def commit(
     sums: dict[str, Any] = {}
     note = None
     if error is None:
+        # DCP's coordinator wrote .metadata before any rank's save returned
+        pending.fingerprint = _fingerprint(pending.partial / METADATA_FILE)
         try:
             sums = _checksum.compute(
                 pending.partial, _checksum.own_files(pending.partial, rank, rank == 0)
