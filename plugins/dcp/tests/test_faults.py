@@ -238,9 +238,8 @@ def test_checkpoint_without_metadata_is_reported_damaged(run_ranks, tmp_path, ca
         assert start == 2 and steps, (start, steps)
         assert len(skipped) == 1, skipped
         assert f"resume skips {root / 'step-4'}" in skipped[0], skipped
-        assert ".metadata: missing (deleted, or the directory was copied half-way" in (
-            skipped[0]
-        ), skipped
+        missing = ".metadata: missing (deleted, or the directory was copied half-way"
+        assert missing in skipped[0], skipped
     # offline: verify names it and fails, for the directory and for the manager root
     result = verify_checkpoint(root / "step-4")
     assert not result.ok and [p.file for p in result.problems] == [".metadata"], str(result)
@@ -387,9 +386,7 @@ def run_job(
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     args = (str(tmp_path / "store"), str(tmp_path / "ckpt"), scenario, victim, str(out_dir))
-    procs = [
-        ctx.Process(target=fault_rank, args=(r, world, *args, timeout)) for r in range(world)
-    ]
+    procs = [ctx.Process(target=fault_rank, args=(r, world, *args, timeout)) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + 90 + 3 * timeout
@@ -473,9 +470,8 @@ def test_rank_killed_after_the_commit_says_it_was_committed(run_ranks, tmp_path,
     assert r.get("error") == "CheckpointSaveError", r
     assert r["step"] == 4 and r["ranks"] == [victim] and r["committed"] is True, r
     final = tmp_path / "ckpt" / "step-4"
-    assert f"saving step 4 ({final}): the checkpoint was committed ({final} is complete" in (
-        r["message"]
-    ), r["message"]
+    said = f"saving step 4 ({final}): the checkpoint was committed ({final} is complete"
+    assert said in r["message"], r["message"]
     assert "Nothing was committed" not in r["message"], r["message"]
     assert r["raised_after"] < SAVE_TIMEOUT, r
     assert verify_checkpoint(final).ok
