@@ -52,7 +52,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Check that a checkpoint is intact without loading it: its metadata is "
         "readable, every data file is present and long enough, and every file matches the "
         "CRC-32 recorded at save (checksums.json). Given a manager directory, checks every "
-        "complete step-N checkpoint (or --step N). Exit status 1 when anything is damaged.",
+        "step-N checkpoint (or --step N); one without .metadata is reported damaged. Exit "
+        "status 1 when anything is damaged.",
     )
     p.add_argument("dir", help="a checkpoint directory or a manager directory of step-N ones")
     p.add_argument("--step", type=int, default=None, help="the step to check (manager directory)")
@@ -100,9 +101,10 @@ def _verify(args: argparse.Namespace) -> int:
 
     root = Path(args.dir)
     try:
-        if args.step is None and not is_complete(root) and list_checkpoints(root).complete:
-            listing = list_checkpoints(root)
-            results = [verify_checkpoint(listing.complete[s]) for s in listing.steps[::-1]]
+        listing = list_checkpoints(root)
+        steps = {**listing.complete, **listing.damaged}  # damaged: step-N without .metadata
+        if args.step is None and not is_complete(root) and steps:
+            results = [verify_checkpoint(steps[s]) for s in sorted(steps, reverse=True)]
         else:
             results = [verify_checkpoint(root, args.step)]
     except CheckpointLoadError as exc:

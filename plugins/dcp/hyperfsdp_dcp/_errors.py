@@ -10,14 +10,24 @@ class CheckpointSaveError(RuntimeError):
     """A save failed on at least one rank; raised on every rank that is still running.
 
     ``step`` is the step being saved (``None`` for a save without one), ``ranks`` the
-    ranks that failed or stopped answering (group ranks). Nothing was committed: the
-    checkpoints saved before are intact, and resuming ignores the failed one.
+    ranks that failed or stopped answering (group ranks). Unless ``committed``, nothing
+    was committed: the checkpoints saved before are intact, and resuming ignores the
+    failed one. ``committed`` is true when the ranks were lost only after the coordinator
+    committed the checkpoint: it is complete, and resuming loads it.
     """
 
-    def __init__(self, message: str, *, step: int | None = None, ranks: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        step: int | None = None,
+        ranks: Sequence[int] = (),
+        committed: bool = False,
+    ) -> None:
         super().__init__(message)
         self.step = step
         self.ranks = list(ranks)
+        self.committed = committed
 
 
 class CheckpointLoadError(RuntimeError):

@@ -330,8 +330,30 @@ def verify_checkpoint(
     """Check a checkpoint (or the newest complete one of a manager directory, or ``step``)
     without loading it: ``.metadata`` readable, every data file it names present and long
     enough, and (with ``checksums``) every file's CRC-32 equal to the one recorded at save.
-    No process group needed."""
+    No process group needed. A ``step-N`` directory (or one holding DCP data files)
+    without ``.metadata`` is damaged: its result names the missing file."""
+    path = Path(path)
+    if step is not None:
+        damaged = _io.list_checkpoints(path).damaged.get(step)
+        if damaged is not None:
+            return _missing_metadata(damaged)
+    elif _looks_like_checkpoint(path) and not _io.is_complete(path):
+        return _missing_metadata(path)
     ckpt, _ = resolve(path, step)
     metadata, problems, has = _checksum.verify(ckpt, (0, 1), checksums)
     files = len(_checksum.extents(metadata)) if metadata is not None else 0
     return VerifyResult(ckpt, tuple(problems), has, files)
+
+
+def _looks_like_checkpoint(path: Path) -> bool:
+    """A directory named ``step-N``, or holding DCP data files or a checksum sidecar."""
+    return path.is_dir() and bool(
+        _io.STEP_RE.match(path.name)
+        or (path / _checksum.CHECKSUM_FILE).is_file()
+        or any(path.glob("*.distcp"))
+    )
+
+
+def _missing_metadata(path: Path) -> VerifyResult:
+    problem = _checksum.Problem(_io.METADATA_FILE, _io.MISSING_METADATA)
+    return VerifyResult(path, (problem,), (path / _checksum.CHECKSUM_FILE).is_file(), 0)

@@ -10,6 +10,7 @@ before any tensor is read, when keys, global shapes or dtypes do not match.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import re
 import shutil
@@ -27,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from . import _checksum
+from . import _checksum, _diagnose, _peers
 from ._errors import CheckpointLoadError, CheckpointSaveError
 from ._state import MODEL, OPTIM, RNG, TRAINER, TrainState, flatten, rank_key, set_rng_state
 from ._torch_private import group_timeout
@@ -57,12 +58,24 @@ def is_complete(path: Path) -> bool:
     return (path / METADATA_FILE).is_file()
 
 
+#: Why a ``step-N`` directory without ``.metadata`` is damaged: saves write into
+#: ``.step-N.partial`` and rename it only once ``.metadata`` is there.
+MISSING_METADATA = (
+    "missing (deleted, or the directory was copied half-way: a save renames a checkpoint "
+    "to step-N only once it is complete)"
+)
+NO_METADATA = f"damaged: {METADATA_FILE} {MISSING_METADATA}"
+
+
 @attrs.frozen
 class Listing:
-    """The checkpoints under a manager's directory."""
+    """The checkpoints under a manager's directory: ``complete`` ones, ``damaged`` ones
+    (``step-N`` directories without ``.metadata``), and everything ``ignored`` on resume
+    (the damaged ones and the partial directories of unfinished or failed saves), with why."""
 
     complete: dict[int, Path]
     ignored: list[tuple[Path, str]]
+    damaged: dict[int, Path] = attrs.field(factory=dict)
 
     @property
     def steps(self) -> list[int]:
@@ -71,9 +84,10 @@ class Listing:
 
 def list_checkpoints(root: Path) -> Listing:
     complete: dict[int, Path] = {}
+    damaged: dict[int, Path] = {}
     ignored: list[tuple[Path, str]] = []
     if not root.is_dir():
-        return Listing(complete, ignored)
+        return Listing(complete, ignored, damaged)
     for entry in sorted(root.iterdir()):
         if not entry.is_dir():
             continue
@@ -82,7 +96,8 @@ def list_checkpoints(root: Path) -> Listing:
             if is_complete(entry):
                 complete[int(match.group(1))] = entry
             else:
-                ignored.append((entry, f"incomplete: no {METADATA_FILE}"))
+                damaged[int(match.group(1))] = entry
+                ignored.append((entry, NO_METADATA))
         elif match := PARTIAL_RE.match(entry.name):
             why = (
                 "failed save (reports of its ranks)"
@@ -90,7 +105,7 @@ def list_checkpoints(root: Path) -> Listing:
                 else ("unfinished save (partial)")
             )
             ignored.append((entry, why))
-    return Listing(complete, ignored)
+    return Listing(complete, ignored, damaged)
 
 
 # -- agreement between ranks -------------------------------------------------------------------
@@ -124,6 +139,38 @@ def error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
+def own_failure(error: BaseException | None, rank: int) -> BaseException | None:
+    """This rank's own part of ``error``: DCP raises the same ``CheckpointException`` on
+    every rank, naming the ranks whose local step failed; a rank it does not name did its
+    part (its outcome is no failure: the named ranks report theirs)."""
+    if isinstance(error, CheckpointException):
+        wrapped = error.failures.get(rank)
+        return wrapped[0] if isinstance(wrapped, tuple) else wrapped
+    return error
+
+
+Outcome = tuple[str | None, str | None]
+
+
+def outcome(error: BaseException | None, rank: int, note: str | None = None) -> Outcome:
+    """``(own, seen)``: this rank's own failure (with ``note``, what the filesystem said
+    about it, first), and all it saw (DCP's report of every rank), as text."""
+    if error is None:
+        return None, None
+    own = own_failure(error, rank)
+    own_text = None if own is None else error_text(own)
+    if own_text is not None and note:
+        own_text = f"{note} (the error: {own_text})"
+    return own_text, error_text(error)
+
+
+def failures_of(outcomes: list[Outcome]) -> list[tuple[int, str]]:
+    """The ranks that failed and why: those that report a failure of their own; if none
+    does (a report naming ranks some other way), every rank that saw one."""
+    own = [(r, o) for r, (o, _) in enumerate(outcomes) if o is not None]
+    return own or [(r, seen) for r, (_, seen) in enumerate(outcomes) if seen is not None]
+
+
 def gather(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
     """``value`` of every rank, on every rank; raises :class:`PeerLost` when a peer does
     not take part (bounded by the group's timeout)."""
@@ -140,11 +187,10 @@ def gather(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
 def agree(error: BaseException | None, group: dist.ProcessGroup | None) -> list[tuple[int, str]]:
     """Every rank's outcome of a local step, gathered on every rank: ``[(rank, error)]``.
 
-    Also a barrier. Runs on ``group`` (whose timeout bounds it).
+    A rank is named for its own failures only (see :func:`own_failure`). Also a barrier.
+    Runs on ``group`` (whose timeout bounds it).
     """
-    mine = None if error is None else error_text(error)
-    outcomes = gather(mine, group)
-    return [(r, e) for r, e in enumerate(outcomes) if e is not None]
+    return failures_of(gather(outcome(error, _rank(group)), group))
 
 
 def _failures_text(failures: list[tuple[int, str]]) -> str:
@@ -183,6 +229,10 @@ class PendingSave:
     grace: float = 60.0  # seconds to wait for the reports of the ranks of a failed save
     attempt: int = 0
     future: Future | None = None  # async saves
+    #: every rank's place and process id, learnt when the save began (``_peers``)
+    peers: list | None = None
+    #: what identifies this save's ``.metadata`` (kept by the rename): whether it was committed
+    fingerprint: tuple[int, int, int] | None = None
 
     @property
     def what(self) -> str:
@@ -209,40 +259,75 @@ def _save_error(
     )
 
 
+def _fingerprint(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_mtime_ns
+
+
+def _write_report(pending: PendingSave, rank: int, mine: str | None, dead: dict[int, int]) -> None:
+    try:
+        pending.reports.mkdir(parents=True, exist_ok=True)
+        tmp = pending.reports / f".rank-{rank}.tmp"
+        tmp.write_text(json.dumps({"error": mine, "dead": dead}))
+        os.replace(tmp, pending.reports / f"rank-{rank}")
+    except OSError:
+        pass
+
+
+def _read_report(pending: PendingSave, rank: int) -> dict[str, Any] | None:
+    try:
+        report = json.loads((pending.reports / f"rank-{rank}").read_text())
+    except (OSError, ValueError):
+        return None
+    report["dead"] = {int(r): pid for r, pid in report.get("dead", {}).items()}
+    return report
+
+
 def peer_lost(pending: PendingSave, mine: str | None, lost: PeerLost, group) -> CheckpointSaveError:
     """The save's collectives failed (a rank died, stopped or lost its connection): find out
     which ranks are still there, through the checkpoint directory (every rank sees it).
 
-    Each surviving rank writes a report (its own error, or none) under ``.<name>.failed/``
-    and waits up to twice the group's timeout for the others' (a survivor blocked on another
-    survivor that gave up notices only at its own timeout); the ranks that never report are the
-    failing ones. Returns the error to raise, the same on every surviving rank.
+    Each surviving rank writes a report (its own error, if any, and the ranks on its host
+    whose process has exited) under ``.<name>.failed/`` and waits for the others': until
+    every rank has reported or is known dead (its process on some survivor's host has
+    exited), at most twice the group's timeout (a survivor blocked on another survivor that
+    gave up notices only at its own timeout). The ranks that never report are the failing
+    ones. Whether the coordinator committed the checkpoint before is read from the disk
+    (its ``.metadata`` is this save's under the final name). Returns the error to raise,
+    the same on every surviving rank.
     """
     rank, world = _rank(group), _world(group)
-    try:
-        pending.reports.mkdir(parents=True, exist_ok=True)
-        tmp = pending.reports / f".rank-{rank}.tmp"
-        tmp.write_text(mine or "")
-        os.replace(tmp, pending.reports / f"rank-{rank}")
-    except OSError:
-        pass
+    others = [r for r in range(world) if r != rank]
+    dead = _peers.dead_here(pending.peers, others)
+    _write_report(pending, rank, mine, dead)
     deadline = time.monotonic() + pending.grace
-    seen: dict[int, str] = {}
+    seen: dict[int, str | None] = {}
     while True:
         for r in range(world):
-            if r not in seen:
-                try:
-                    seen[r] = (pending.reports / f"rank-{r}").read_text()
-                except OSError:
-                    pass
-        if len(seen) == world or time.monotonic() >= deadline:
+            if r not in seen and (report := _read_report(pending, r)) is not None:
+                seen[r] = report.get("error")
+                dead.update(report["dead"])
+        waiting = [r for r in range(world) if r not in seen and r not in dead]
+        if not waiting or time.monotonic() >= deadline:
             break
         time.sleep(0.05)
+        dead.update(_peers.dead_here(pending.peers, waiting))
     silent = [r for r in range(world) if r not in seen]
     reported = [(r, text) for r, text in sorted(seen.items()) if text]
+    committed = pending.fingerprint is not None and pending.fingerprint == _fingerprint(
+        pending.final / METADATA_FILE
+    )
     if silent:  # the survivors' own errors are most likely the lost peer's doing
         failures = [
-            (r, f"no report within {pending.grace:g} s (killed, stopped or disconnected)")
+            (
+                r,
+                f"its process (pid {dead[r]}) exited"
+                if r in dead
+                else f"no report within {pending.grace:g} s (killed, stopped or disconnected)",
+            )
             for r in silent
         ]
         seen_text = _failures_text(reported) if reported else str(lost)
@@ -250,6 +335,17 @@ def peer_lost(pending: PendingSave, mine: str | None, lost: PeerLost, group) -> 
     else:
         failures = reported or [(rank, f"a collective failed: {lost}")]
         tail = f"then a collective failed: {lost}"
+    if committed:
+        ranks = sorted({r for r, _ in failures})
+        who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        return CheckpointSaveError(
+            f"{pending.what}: the checkpoint was committed ({pending.final} is complete: "
+            "`hyperfsdp ckpt verify` checks it and resume() loads it), but then "
+            f"{who} stopped answering ({_failures_text(failures)}); {tail}",
+            step=pending.step,
+            ranks=ranks,
+            committed=True,
+        )
     if rank == min(seen, default=rank) and 0 not in silent:
         shutil.rmtree(pending.partial, ignore_errors=True)
     return _save_error(
@@ -258,6 +354,12 @@ def peer_lost(pending: PendingSave, mine: str | None, lost: PeerLost, group) -> 
         f"{tail}. Nothing was committed and earlier checkpoints are intact "
         f"({pending.partial.name} is ignored on resume and removed by the next successful save)",
     )
+
+
+def _text(error: BaseException | None, group: dist.ProcessGroup | None) -> str | None:
+    """This rank's failure for its report after a lost peer: its own, else all it saw."""
+    own, seen = outcome(error, _rank(group))
+    return own or seen
 
 
 def begin_save(
@@ -289,11 +391,11 @@ def begin_save(
         except Exception as exc:
             error = exc
     try:
-        failures = agree(error, group)
+        outcomes = gather((outcome(error, _rank(group)), _peers.identity()), group)
     except PeerLost as lost:
-        raise peer_lost(pending, None if error is None else error_text(error), lost, group) from (
-            error or lost
-        )
+        raise peer_lost(pending, _text(error, group), lost, group) from (error or lost)
+    pending.peers = [who for _, who in outcomes]
+    failures = failures_of([o for o, _ in outcomes])
     if failures:
         raise _save_error(
             pending, failures, "nothing was written; earlier checkpoints are intact"
@@ -366,27 +468,32 @@ def commit(
     ``housekeeping`` (deleting old checkpoints) runs on the coordinator right after the
     rename; every rank returns after it.
     """
+    rank = _rank(group)
     sums: dict[str, Any] = {}
+    note = None
     if error is None:
+        # DCP's coordinator wrote .metadata before any rank's save returned
+        pending.fingerprint = _fingerprint(pending.partial / METADATA_FILE)
         try:
             sums = _checksum.compute(
-                pending.partial,
-                _checksum.own_files(pending.partial, _rank(group), _rank(group) == 0),
+                pending.partial, _checksum.own_files(pending.partial, rank, rank == 0)
             )
         except OSError as exc:
             error = exc
-    mine = None if error is None else error_text(error)
+    elif own_failure(error, rank) is not None:  # this rank's write failed: ask the disk why
+        note = _diagnose.write_failure(pending.partial, _own_paths(pending.partial, rank))
+    mine = outcome(error, rank, note)
     try:
         outcomes = gather((mine, sums), group)
     except PeerLost as lost:
-        raise peer_lost(pending, mine, lost, group) from (error or lost)
-    failures = [(r, e) for r, (e, _) in enumerate(outcomes) if e is not None]
+        raise peer_lost(pending, mine[0] or mine[1], lost, group) from (error or lost)
+    failures = failures_of([o for o, _ in outcomes])
     if failures:
         _on_coordinator(group, lambda: shutil.rmtree(pending.partial, ignore_errors=True))
         try:
             agree(None, group)  # nobody returns before the partial files are gone
         except PeerLost as lost:
-            raise peer_lost(pending, mine, lost, group) from (error or lost)
+            raise peer_lost(pending, mine[0] or mine[1], lost, group) from (error or lost)
         raise _save_error(
             pending,
             failures,
@@ -415,9 +522,17 @@ def commit(
     try:
         failures = agree(error, group)
     except PeerLost as lost:
-        raise peer_lost(pending, mine, lost, group) from lost
+        raise peer_lost(pending, mine[0] or mine[1], lost, group) from lost
     if failures:
         raise _save_error(pending, failures, "committing it failed; earlier checkpoints are intact")
+
+
+def _own_paths(directory: Path, rank: int) -> list[Path]:
+    """The files this rank was writing into ``directory`` (none if it cannot be listed)."""
+    try:
+        return [directory / n for n in _checksum.own_files(directory, rank, rank == 0)]
+    except OSError:
+        return []
 
 
 # -- loading --------------------------------------------------------------------------------------
@@ -439,10 +554,11 @@ def check_present(path: Path) -> None:
     if not path.is_dir():
         raise CheckpointLoadError(f"no checkpoint directory at {path}", path=path)
     if not is_complete(path):
+        problem = _checksum.Problem(METADATA_FILE, MISSING_METADATA)
         raise CheckpointLoadError(
-            f"{path} is not a complete checkpoint (no {METADATA_FILE}: the save did not finish); "
-            "load an earlier one",
+            f"{path} is not a complete checkpoint: {problem}; load an earlier one",
             path=path,
+            problems=[problem],
         )
 
 

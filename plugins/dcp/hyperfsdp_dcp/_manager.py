@@ -182,15 +182,21 @@ class CheckpointManager:
         """Load the newest checkpoint that loads (or ``step``); returns its step, 0 if none.
 
         Every rank loads the same step (rank 0 of the group decides). Each candidate is
-        checked before anything is loaded (file sizes, checksums, keys, global shapes and
-        dtypes); one that fails is skipped with a warning saying why, and the next older one
-        is tried, so a damaged newest checkpoint costs the steps since the one before. When
+        checked before anything is loaded (``.metadata`` present, file sizes, checksums,
+        keys, global shapes and dtypes); one that fails is skipped with a warning saying
+        why, and the next older one is tried, so a damaged newest checkpoint costs the steps
+        since the one before (a ``step-N`` directory without ``.metadata`` is such a damaged
+        one; partial directories of unfinished saves are not candidates). When
         none loads, the newest one's error is raised (:class:`CheckpointLoadError`, or
         :class:`CheckpointMismatchError` for a model that does not match). With ``step``,
         only that checkpoint is tried.
         """
         self.wait()
-        candidates = [step] if step is not None else self.steps()[::-1]
+        if step is None:  # damaged step-N directories (no .metadata) are skipped, with why
+            listing = _io.list_checkpoints(self.root)
+            candidates = sorted({*listing.complete, *listing.damaged}, reverse=True)
+        else:
+            candidates = [step]
         if dist.is_initialized():
             box = [candidates]
             src = dist.get_global_rank(self.group, 0) if self.group is not None else 0

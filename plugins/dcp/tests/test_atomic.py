@@ -125,3 +125,55 @@ def failed_saves(root, async_save):
 @pytest.mark.parametrize(("world", "async_save"), [(2, False), (4, False), (2, True), (4, True)])
 def test_failed_save_leaves_previous_checkpoint(run_ranks, tmp_path, world, async_save):
     assert run_ranks(world, failed_saves, str(tmp_path / "ckpt"), async_save) == [True] * world
+
+
+def file_size_limit_on_one_rank(root):
+    """The last rank's data file stops at its file-size limit (``ulimit -f``, with SIGXFSZ
+    ignored, so the write fails with EFBIG): the error names that rank only, and why."""
+    import resource
+    import signal
+
+    root = Path(root)
+    rank, bad_rank = dist.get_rank(), dist.get_world_size() - 1
+    model, opt, _, _ = trained("mlp", 2)
+    manager = CheckpointManager(root, model=model, optimizer=opt, timeout=timedelta(seconds=120))
+    manager.save(2)
+    good = full_state(model, opt)
+    size = (root / "step-2" / f"__{bad_rank}_0.distcp").stat().st_size
+    saved_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    saved_handler = signal.getsignal(signal.SIGXFSZ)
+    if rank == bad_rank:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size // 2, saved_limit[1]))
+    try:
+        manager.save(4)
+    except CheckpointSaveError as exc:
+        error = exc
+    else:
+        raise AssertionError("the save past the file-size limit did not raise")
+    finally:
+        if rank == bad_rank:
+            resource.setrlimit(resource.RLIMIT_FSIZE, saved_limit)
+            signal.signal(signal.SIGXFSZ, saved_handler)
+    assert_bitwise(full_state(model, opt), good, "after the failed save")
+    dist.barrier()
+    listed = sorted(os.listdir(root))
+    manager.close()
+    return error.ranks, error.step, str(error), listed, size // 2
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_one_rank_that_cannot_write_is_the_one_named(run_ranks, tmp_path, world):
+    bad = world - 1
+    for ranks, step, message, listed, limit in run_ranks(
+        world, file_size_limit_on_one_rank, str(tmp_path / "ckpt")
+    ):
+        assert (ranks, step) == ([bad], 4), message
+        assert f"failed on rank {bad} (rank {bad}: " in message, message
+        partial = tmp_path / "ckpt" / ".step-4.partial"
+        assert (
+            f"{partial / f'__{bad}_0.distcp'} stopped at this process's file-size limit of "
+            f"{limit} bytes (RLIMIT_FSIZE, `ulimit -f`; EFBIG: File too large)"
+        ) in message, message
+        assert "ranks 0" not in message and "DCP reported" not in message, message
+        assert listed == ["step-2"], listed

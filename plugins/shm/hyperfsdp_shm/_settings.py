@@ -7,7 +7,10 @@ shared memory is (its first collective).
   transport at all: the core's default, torch.distributed's own collectives;
 - ``HYPERFSDP_GLOO_ALL_GATHER_MIN_BYTES`` (:data:`GLOO_ALL_GATHER_MIN_BYTES`, 1 MiB):
   all-gathers below it, where no shared memory takes them, use gloo's own (one exchange,
-  where an all-reduce makes two: 0.35 against 0.55 ms for 4 KiB at world 2).
+  where an all-reduce makes two: 0.35 against 0.55 ms for 4 KiB at world 2);
+- ``HYPERFSDP_SHM_DIR`` (:data:`SHM_DIR`, ``/dev/shm``): the directory the segment files
+  are made in (a tmpfs: another one where ``/dev/shm`` is small, or a private one in tests),
+  read when a group's shared memory is made (members exchange full paths).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import os
 GLOO_ALL_REDUCE: bool | None = None
 GLOO_ALL_GATHER_MIN_BYTES: int | None = None
 SHM: bool | None = None
+SHM_DIR: str | None = None
 
 
 def settings() -> tuple[bool, int, bool]:
@@ -31,3 +35,9 @@ def settings() -> tuple[bool, int, bool]:
         min_bytes = int(env.get("HYPERFSDP_GLOO_ALL_GATHER_MIN_BYTES", 1 << 20))
     shm = SHM if SHM is not None else env.get("HYPERFSDP_SHM", "") != "0"
     return gloo, min_bytes, shm
+
+
+def shm_dir() -> str:
+    """Where the segment files are made: :data:`SHM_DIR` where set, else
+    ``HYPERFSDP_SHM_DIR``, else ``/dev/shm``."""
+    return SHM_DIR or os.environ.get("HYPERFSDP_SHM_DIR") or "/dev/shm"

@@ -40,6 +40,7 @@ import mmap
 import os
 import platform
 import secrets
+import socket
 import sys
 import time
 import uuid
@@ -48,13 +49,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ._settings import shm_dir
+
 #: bytes per slot: a collective moves its payload in chunks of this size (figures:
 #: docs/performance.md; 256 KiB to 4 MiB measured the same)
 CHUNK_BYTES = 1 << 20
 #: slots per member: a rank writes its next chunk while its peers read the previous one
 SLOTS = 2
-#: where the segments live (a tmpfs on Linux)
-SHM_DIR = "/dev/shm"
 
 # header layout, in int64 words: published chunks, the tag of each slot's chunk, this
 # rank's acknowledgement of each member's chunks, and the token peers check when mapping
@@ -117,12 +118,14 @@ class ShmCollectiveError(RuntimeError):
 
 
 def supported() -> bool:
-    """Whether this process can use the transport at all (Linux, x86-64, /dev/shm)."""
+    """Whether this process can use the transport at all (Linux, x86-64, a writable
+    ``/dev/shm`` or ``HYPERFSDP_SHM_DIR``)."""
+    directory = shm_dir()
     return (
         sys.platform.startswith("linux")
         and platform.machine() in ("x86_64", "AMD64")
-        and os.path.isdir(SHM_DIR)
-        and os.access(SHM_DIR, os.W_OK)
+        and os.path.isdir(directory)
+        and os.access(directory, os.W_OK)
     )
 
 
@@ -231,6 +234,59 @@ def _header_bytes(world: int) -> int:
     return max(4096, math.ceil(8 * (_ACK + world) / 4096) * 4096)
 
 
+def _exchange(group, world: int, value) -> list:
+    """``value`` of every member (gloo's ``all_gather_object``)."""
+    out: list = [None] * world
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+def _create(path: str, size: int, token: int, header_bytes: int) -> mmap.mmap | None:
+    """Create and map this member's segment, its token in the header; None where it
+    cannot (a full or missing directory: the group keeps gloo)."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            # reserve the pages now: a full /dev/shm (a container's default is 64 MiB)
+            # then fails here, and gloo is kept, instead of a SIGBUS later
+            os.posix_fallocate(fd, 0, size)
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        memoryview(mm)[:header_bytes].cast("q")[_TOKEN] = token
+    except OSError:
+        return None
+    return mm
+
+
+def _note_failed_setup(exc: BaseException, group, rank: int, step: str, infos: list) -> None:
+    """Say on ``exc`` (gloo's error, most often) that the shared-memory setup failed, where,
+    and which members' processes have exited (those on this host, when known)."""
+    try:
+        ranks = dist.get_process_group_ranks(group) if group is not None else "of the default group"
+    except Exception:  # the group may be gone
+        ranks = "unknown"
+    gone = []
+    if infos and infos[rank][2][1] is not None:  # the members on this host (and PID namespace)
+        here = [
+            (m, info[1]) for m, info in enumerate(infos) if m != rank and info[2] == infos[rank][2]
+        ]
+        # a killed peer's sockets close while it exits: give it a moment to be gone
+        deadline = time.monotonic() + _LIVENESS_EVERY
+        while here:
+            gone = [f"group rank {m} (pid {pid})" for m, pid in here if not _alive(pid)]
+            if gone or time.monotonic() >= deadline:
+                break
+            time.sleep(0.01)
+    died = f"; {', '.join(gone)} exited" if gone else ""
+    exc.add_note(
+        f"hyperfsdp-shm: setting up the shared-memory transport of the group (ranks {ranks}) "
+        f"failed while {step}{died}; every member's segment file in {shm_dir()} was "
+        "removed. If a peer died or stopped, its own log says why; HYPERFSDP_SHM=0 keeps "
+        "gloo for this job."
+    )
+
+
 def _map(path: str, size: int) -> mmap.mmap:
     fd = os.open(path, os.O_RDWR)
     try:
@@ -266,68 +322,66 @@ class ShmGroup:
     def create(cls, group, rank: int, world: int, timeout: timedelta) -> ShmGroup | None:
         """The transport for ``group``, or None where some member cannot use it.
 
-        Collective over ``group``: every member calls it at the same point (two
-        ``all_gather_object``). Each member creates its segment and maps every member's;
-        the segment files are unlinked as soon as all are mapped, and also when the setup
-        fails on the way (a peer that never comes or dies, an exception here), so a
-        failed setup leaves nothing in ``/dev/shm`` either.
+        Collective over ``group``: every member calls it at the same point (three
+        ``all_gather_object``). The members first tell each other the names their segments
+        will have, then each creates and maps its own, then maps the others'. Every member
+        unlinks every member's name when the setup ends: once all are mapped, or when it
+        fails on the way (a peer that never comes, dies or stops; an exception here), so
+        that a member killed after creating its segment leaves nothing in the directory
+        either: the survivors remove its file. A failure's exception gets a note saying
+        so, naming the members whose processes have exited.
         """
         header_bytes = _header_bytes(world)
         size = header_bytes + SLOTS * CHUNK_BYTES
         token = secrets.randbits(62)
-        path = mm = None
+        path = None
         if supported():
-            path = os.path.join(SHM_DIR, f"hyperfsdp-{uuid.uuid4().hex}-{rank}")
-            try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-                try:
-                    # reserve the pages now: a full /dev/shm (a container's default is
-                    # 64 MiB) then fails here, and gloo is kept, instead of a SIGBUS later
-                    os.posix_fallocate(fd, 0, size)
-                    mm = mmap.mmap(fd, size)
-                finally:
-                    os.close(fd)
-                memoryview(mm)[:header_bytes].cast("q")[_TOKEN] = token
-            except OSError:
-                mm = None
-                if os.path.exists(path):
-                    os.unlink(path)
+            path = os.path.join(shm_dir(), f"hyperfsdp-{uuid.uuid4().hex}-{rank}")
+        names: list = [path]
+        infos: list = []
+        step = "exchanging the segments' names"
         try:
-            return cls._agree(group, rank, world, timeout, path, mm, token, size, header_bytes)
-        finally:  # mapped by every member now, or the setup failed: the name can go
-            if path is not None and mm is not None:
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
+            here = (socket.gethostname(), _pid_namespace())
+            infos = _exchange(group, world, (path, os.getpid(), here))
+            names = [info[0] for info in infos]
+            step = "creating and mapping the segments"
+            mm = _create(path, size, token, header_bytes) if path is not None else None
+            return cls._agree(group, rank, world, timeout, infos, mm, token, size, header_bytes)
+        except BaseException as exc:
+            _note_failed_setup(exc, group, rank, step, infos)
+            raise
+        finally:  # mapped by every member now, or the setup failed: the names can go
+            for name in names:
+                if name is not None:
+                    try:
+                        os.unlink(name)
+                    except OSError:
+                        pass
 
     @classmethod
-    def _agree(cls, group, rank, world, timeout, path, mm, token, size, header_bytes):
-        """The collective part of :meth:`create`: exchange the segments' names, map them,
-        and agree whether every member could."""
-        mine = (path if mm is not None else None, token, os.getpid(), _pid_namespace())
-        infos: list = [None] * world
-        dist.all_gather_object(infos, mine, group=group)
+    def _agree(cls, group, rank, world, timeout, infos, mm, token, size, header_bytes):
+        """The rest of :meth:`create`: exchange the segments' tokens, map the members'
+        segments, and agree whether every member could."""
+        tokens = _exchange(group, world, token if mm is not None else None)
         segments = None
-        if all(info[0] is not None for info in infos):
+        if all(t is not None for t in tokens):
             segments = []
             try:
-                for member, (peer_path, peer_token, _, _) in enumerate(infos):
+                for member, (peer_path, _, _) in enumerate(infos):
                     peer_mm = mm if member == rank else _map(peer_path, size)
                     seg = _Segment(peer_mm, header_bytes)
-                    if seg.header[_TOKEN] != peer_token:  # another host's file of that name
+                    if seg.header[_TOKEN] != tokens[member]:  # another host's file of that name
                         raise OSError("token mismatch")
                     segments.append(seg)
             except (OSError, ValueError):
                 segments = None
-        oks: list = [None] * world
-        dist.all_gather_object(oks, segments is not None, group=group)
+        oks = _exchange(group, world, segments is not None)
         if not all(oks):
             return None
-        namespaces = {info[3] for info in infos}
+        namespaces = {info[2][1] for info in infos}  # all on this host: they mapped its files
         pids = None
         if len(namespaces) == 1 and None not in namespaces:
-            pids = {member: info[2] for member, info in enumerate(infos) if member != rank}
+            pids = {member: info[1] for member, info in enumerate(infos) if member != rank}
         transport = cls(group, rank, world, segments, pids, timeout.total_seconds())
         if world > 2:
             transport.ring_order = transport.check_ring_order()

@@ -196,7 +196,8 @@ def test_zombie_peer_fails_fast(run_ranks):
 
 def setup_with_absent_peer():
     """Rank 0 sets the transport up over a group whose other member never joins (it failed
-    before its setup): the exchange times out, and the segment file rank 0 made is gone."""
+    before its setup): the exchange of the segments' names times out, before rank 0 made
+    its segment file, and gloo's error says what failed."""
     import torch.distributed as dist
 
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=2))
@@ -207,7 +208,7 @@ def setup_with_absent_peer():
             try:
                 _shm.ShmGroup.create(group, 0, 2, timedelta(seconds=2))
             except Exception as exc:  # gloo's timeout
-                error = type(exc).__name__
+                error = (type(exc).__name__, getattr(exc, "__notes__", []))
     dist.barrier()
     dist.destroy_process_group(group)
     return error, len(created), [p for p in created if os.path.exists(p)]
@@ -216,7 +217,13 @@ def setup_with_absent_peer():
 def test_setup_that_fails_leaves_no_segment_file(run_ranks):
     error, made, left = run_ranks(2, setup_with_absent_peer, timeout=120)[0]
     assert error is not None  # the setup failed
-    assert made == 1 and left == []
+    _, notes = error
+    assert any(
+        "hyperfsdp-shm: setting up the shared-memory transport of the group (ranks [0, 1]) "
+        "failed while exchanging the segments' names" in n
+        for n in notes
+    ), notes
+    assert made == 0 and left == []
 
 
 def root_transport(model):
