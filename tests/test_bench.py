@@ -402,3 +402,85 @@ def test_core_never_imports_the_benchmark_suite():
         if (refs := _bench_references(path.read_text()))
     }
     assert found == {}
+
+
+def test_copy_counter_counts_written_bytes():
+    """``measure.copy_counter``: each copy op counts the bytes it writes (the destination of
+    ``copy_`` and of ``out=``, else its output); other ops count nothing."""
+    import torch
+    from hyperfsdp_bench.measure import copy_counter
+
+    a, b = torch.zeros(1000), torch.ones(1000)
+    out = torch.empty(2000)
+    with copy_counter() as counter:
+        a.copy_(b[:500].repeat(2))  # repeat is no copy op; copy_ writes 4000 bytes
+        torch.cat([a, b], out=out)  # 8000
+        b.to(torch.float64)  # _to_copy: 8000
+        torch.split_with_sizes_copy(out, [500, 1500], out=[torch.empty(500), torch.empty(1500)])
+        a.add_(b)
+    assert dict(counter.bytes) == {
+        "aten::copy_": 4000,
+        "aten::cat": 8000,
+        "aten::_to_copy": 8000,
+        "aten::split_with_sizes_copy": 8000,
+    }
+    assert dict(counter.calls) == {k: 1 for k in counter.bytes}
+
+
+def rank_copies_and_allocations() -> dict:
+    """One step of hyperfsdp on torch's own collectives and one of FSDP2 (a small even fp32
+    model, every block and the root sharded), each counted by
+    ``measure.count_copies_and_allocations``; returns both counts and the model's bytes."""
+    import os
+
+    from hyperfsdp_bench.impls import CaseSpec, build
+    from hyperfsdp_bench.measure import count_copies_and_allocations
+    from hyperfsdp_bench.model import ModelConfig, make_batches
+
+    cfg = ModelConfig(vocab=64, dim=16, n_layers=2, n_heads=2, hidden=32, seq_len=8, batch=2)
+    spec = CaseSpec(cfg, seed=3)
+    out: dict = {}
+    saved = os.environ.get("HYPERFSDP_GLOO_NATIVE_COLLECTIVES")
+    try:
+        for impl in ("hyperfsdp-native", "fsdp2"):
+            built = build(impl, spec)
+            batches = iter(make_batches(cfg, spec.seed, 0, 2))
+
+            def step(built=built, batches=batches) -> None:
+                tokens, targets = next(batches)
+                built.optimizer.zero_grad(set_to_none=True)
+                built.model(tokens, targets).backward()
+                built.optimizer.step()
+
+            step()  # the optimizer's state exists from here on
+            out[impl] = count_copies_and_allocations(step)
+    finally:
+        if saved is None:
+            os.environ.pop("HYPERFSDP_GLOO_NATIVE_COLLECTIVES", None)
+        else:
+            os.environ["HYPERFSDP_GLOO_NATIVE_COLLECTIVES"] = saved
+    model = build("floor", spec).model
+    blocks = sum(p.numel() * 4 for p in model.layers.parameters())
+    out["bytes"] = (blocks, sum(p.numel() * 4 for p in model.parameters()) - blocks)
+    return out
+
+
+def test_bench_counts_copies_and_allocations_of_both_fsdps(run_ranks):
+    """The suite's copy and allocation counts, by one method for both FSDPs (world 2, even
+    fp32): FSDP2 copies every all-gather input in (``fsdp::all_gather_copy_in``: half the
+    unsharded bytes of each gather: blocks twice, the root once) and hyperfsdp does not
+    (its sharded storage is the input); both copy every gather out (the unsharded bytes)
+    and pack every gradient once; the allocations of a step are counted."""
+    for res in run_ranks(2, rank_copies_and_allocations, timeout=240):
+        blocks, root = res["bytes"]
+        ours, fsdp2 = res["hyperfsdp-native"], res["fsdp2"]
+        gathered = 2 * blocks + root
+        assert fsdp2["copy_bytes_by_op"]["fsdp::all_gather_copy_in"] == gathered // 2
+        assert fsdp2["copy_bytes_by_op"]["fsdp::split_with_sizes_copy"] == gathered
+        assert fsdp2["copy_bytes_by_op"]["fsdp::chunk_cat"] == blocks + root
+        assert ours["copy_bytes_by_op"]["aten::split_with_sizes_copy"] == gathered
+        assert ours["copy_bytes_by_op"]["aten::cat"] == blocks + root
+        assert ours["copy_bytes"] == fsdp2["copy_bytes"] - gathered // 2
+        for counts in (ours, fsdp2):
+            assert counts["allocs"] > 0
+            assert counts["alloc_bytes"] >= gathered  # every gather's unsharded buffer

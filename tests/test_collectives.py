@@ -251,3 +251,25 @@ def test_a_pending_handle_is_not_done():
     assert pending.done is False
     pending.wait()
     assert pending.done is True and READY.done is True
+
+
+def test_a_waited_handle_holds_no_buffer():
+    """Once waited for, a ``Handle`` keeps no reference to the buffers of its collective
+    (neither ``keepalive`` nor the tensor its failure note would name): a reduce-scatter
+    input that is a unit's own gradient is freed when the reduction lets it go, not when
+    the reduction object itself goes."""
+    import weakref
+
+    from hyperfsdp_core.comm import Handle
+
+    class Work:
+        def wait(self):
+            return None
+
+    buf = torch.ones(4)
+    handle = Handle(work=Work(), keepalive=(buf,), what=("reduce_scatter", "unit", buf, None))
+    ref = weakref.ref(buf)
+    del buf
+    assert ref() is not None  # pending: the collective may still read it
+    handle.wait()
+    assert ref() is None

@@ -370,3 +370,115 @@ def fsdp2_padding_bytes(model: torch.nn.Module) -> dict[str, int]:
                     padded_params += 1
                     pad += extra * fp._sharded_param_data.element_size()
     return {"padding_bytes": pad, "padded_params": padded_params, "n_managed": n}
+
+
+# -- copies and allocations ------------------------------------------------------------------------
+
+#: ops that copy tensor data (their written bytes are counted by :class:`CopyCounter`):
+#: torch's own and FSDP2's (``fsdp::all_gather_copy_in``: the copy-in of the all-gather
+#: input; ``fsdp::split_with_sizes_copy``: the copy-out; ``fsdp::chunk_cat``: the
+#: reduce-scatter input's pack)
+COPY_OPS = frozenset(
+    {
+        "aten::copy_",
+        "aten::_to_copy",
+        "aten::clone",
+        "aten::cat",
+        "aten::stack",
+        "aten::split_with_sizes_copy",
+        "aten::_chunk_cat",
+        "aten::_foreach_copy_",
+        "aten::_foreach_copy",
+        "aten::narrow_copy",
+        "aten::index_copy",
+        "aten::index_copy_",
+        "aten::constant_pad_nd",
+        "fsdp::all_gather_copy_in",
+        "fsdp::split_with_sizes_copy",
+        "fsdp::chunk_cat",
+    }
+)
+
+
+def _local_nbytes(x) -> int:
+    """Bytes of a tensor (a DTensor's local shard), or of a list of them."""
+    if isinstance(x, (list, tuple)):
+        return sum(_local_nbytes(t) for t in x)
+    if not isinstance(x, torch.Tensor):
+        return 0
+    local = getattr(x, "_local_tensor", None)
+    t = local if isinstance(local, torch.Tensor) else x
+    return t.numel() * t.element_size()
+
+
+def _copied_bytes(func, args, kwargs, out) -> int:
+    """Bytes one copy op writes: its mutated arguments (``copy_``'s destination, ``out=``),
+    else its outputs; ``fsdp::all_gather_copy_in``: the input slot it fills."""
+    schema = func._schema
+    if schema.name == "fsdp::all_gather_copy_in":
+        return int(args[3]) * args[1].element_size()
+    written = 0
+    mutated = False
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        mutated = True
+        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+        written += _local_nbytes(value)
+    return written if mutated else _local_nbytes(out)
+
+
+def copy_counter():
+    """A :class:`CopyCounter` (built on first use: the dispatch-mode import costs)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CopyCounter(TorchDispatchMode):
+        """Bytes written by copy ops (:data:`COPY_OPS`) on this thread while active, by op.
+
+        Seen at the top of the dispatcher, before any tensor subclass: an op on a DTensor
+        counts its local shard once (the local op DTensor runs is not seen again), and an
+        FSDP2 custom op counts as itself, not as the copies inside it. Copies inside a
+        collective's C++ implementation (gloo's own buffers) are not dispatched, so not
+        counted, for either FSDP.
+        """
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.bytes: dict[str, int] = defaultdict(int)
+            self.calls: dict[str, int] = defaultdict(int)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            name = func._schema.name
+            if name in COPY_OPS:
+                self.calls[name] += 1
+                self.bytes[name] += _copied_bytes(func, args, kwargs, out)
+            return out
+
+    return CopyCounter()
+
+
+def count_copies_and_allocations(step) -> dict:
+    """Run ``step()`` once with its copies counted (:func:`copy_counter`) and its allocations
+    recorded (the profiler's memory events: every allocation of torch's CPU allocator on
+    the threads the profiler follows, the training thread and autograd's; gloo's worker
+    threads are not followed, for either FSDP)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    counter = copy_counter()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, counter:
+        step()
+    allocs = alloc_bytes = 0
+    for event in prof.profiler.kineto_results.events():
+        if event.name() == "[memory]" and event.nbytes() > 0:
+            allocs += 1
+            alloc_bytes += event.nbytes()
+    return {
+        "copy_bytes": sum(counter.bytes.values()),
+        "copy_calls": sum(counter.calls.values()),
+        "copy_bytes_by_op": dict(sorted(counter.bytes.items())),
+        "copy_calls_by_op": dict(sorted(counter.calls.items())),
+        "allocs": allocs,
+        "alloc_bytes": alloc_bytes,
+    }

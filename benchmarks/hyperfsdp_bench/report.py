@@ -301,6 +301,68 @@ def offload_table(results: dict, markdown: bool = False) -> str:
     return _table(headers, rows, markdown, right=set(range(2, 9)))
 
 
+def _short_op(name: str) -> str:
+    return name.replace("aten::", "").replace("fsdp::", "fsdp.")
+
+
+def copies_table(results: dict, markdown: bool = False) -> str:
+    """Per implementation: step time, peak memory, and the copies and allocations of one
+    untimed step (mean over ranks), with ratios to the reference FSDP2 run."""
+    headers = [
+        "case",
+        "impl",
+        "time xFSDP2",
+        "peak RSS MiB",
+        "RSS xFSDP2",
+        "peak heap xFSDP2",
+        "MiB copied/step",
+        "copies xFSDP2",
+        "allocs/step",
+        "allocs xFSDP2",
+        "MiB allocated/step",
+        "copied by op (MiB)",
+    ]
+    rows = []
+    for res in results["cases"]:
+        if res["config"] == "host-overhead":
+            continue
+        ok = {k: v for k, v in res["impls"].items() if v.get("status") == "ok"}
+        for impl, r in ok.items():
+            if r.get("copy_bytes_per_step") is None:
+                continue
+            ref = ok.get(r.get("reference", ""))
+
+            def rel(key: str, r: dict = r, ref: dict | None = ref) -> str:
+                if ref is None or not ref.get(key):
+                    return "-"
+                return _ratio(r[key] / ref[key])
+
+            def peak_rel(key: str, r: dict = r, ref: dict | None = ref) -> str:
+                a, b = peak_over_ranks(r, key), peak_over_ranks(ref or {}, key)
+                return _ratio(a / b) if a and b else "-"
+
+            peak = peak_over_ranks(r, "peak_rss_bytes")
+            ops = sorted(r["copy_bytes_by_op_per_step"].items(), key=lambda kv: -kv[1])
+            by_op = ", ".join(f"{_short_op(k)} {v / MiB:.1f}" for k, v in ops[:4] if v >= MiB / 10)
+            rows.append(
+                [
+                    res["case"],
+                    impl,
+                    _ratio(r.get("ratio_vs_fsdp2")),
+                    _f(peak / MiB if peak else None, ".0f"),
+                    peak_rel("peak_rss_bytes"),
+                    peak_rel("peak_heap_bytes"),
+                    _f(r["copy_bytes_per_step"] / MiB, ".1f"),
+                    rel("copy_bytes_per_step"),
+                    _f(r["allocs_per_step"], ".0f"),
+                    rel("allocs_per_step"),
+                    _f(r["alloc_bytes_per_step"] / MiB, ".0f"),
+                    by_op or "-",
+                ]
+            )
+    return _table(headers, rows, markdown, right=set(range(2, 11)))
+
+
 def timeline_table(results: dict, markdown: bool = False) -> str:
     """Cases run with ``--timeline``: where one step's heap in use peaks (rank 0)."""
     from .timeline import summarize
@@ -363,6 +425,16 @@ def render(results: dict, markdown: bool = False) -> str:
                 "engine (fwd+bwd) and optimizer parts"
             ),
             host,
+        ]
+    copies = copies_table(results, markdown)
+    if copies.count("\n") > 1:
+        parts += [
+            "",
+            title(
+                "memory, copies and allocations per step (one untimed step, mean over ranks; "
+                "copies: bytes written by copy ops, allocations: torch's CPU allocator)"
+            ),
+            copies,
         ]
     offload = offload_table(results, markdown)
     if offload.count("\n") > 1:

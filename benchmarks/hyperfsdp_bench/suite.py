@@ -140,6 +140,29 @@ def _summarize(runs: list[list[dict]], setup: list[dict], steps: int) -> dict:
     return out
 
 
+def _summarize_counts(per_rank: list[dict] | None) -> dict:
+    """Copies and allocations of one step (``Runner.counts``), mean over ranks."""
+    if not per_rank:
+        return {}
+    n = len(per_rank)
+
+    def mean(key: str) -> float:
+        return sum(r[key] for r in per_rank) / n
+
+    by_op: dict[str, float] = {}
+    for r in per_rank:
+        for op, b in r["copy_bytes_by_op"].items():
+            by_op[op] = by_op.get(op, 0) + b / n
+    return {
+        "copy_bytes_per_step": mean("copy_bytes"),
+        "copy_calls_per_step": mean("copy_calls"),
+        "copy_bytes_by_op_per_step": dict(sorted(by_op.items())),
+        "allocs_per_step": mean("allocs"),
+        "alloc_bytes_per_step": mean("alloc_bytes"),
+        "counts_per_rank": per_rank,
+    }
+
+
 def reference_candidates(impl: str, config: str) -> tuple[str, ...]:
     """Which FSDP2 run an implementation is compared with, in order of preference.
 
@@ -300,9 +323,18 @@ def run_case(case: Case, opts: Options, log: Callable[[str], None]) -> dict:
                     result["impls"][impl] = _error(exc)
                     runs.pop(impl)
                     log(f"    {impl}: ERROR {exc}")
+        counts: dict[str, list[dict]] = {}
+        for impl in runs:  # one more step each, untimed: its copies and allocations
+            if not runs[impl] or pools[impl].broken:
+                continue
+            try:
+                counts[impl] = pools[impl].call("counts", timeout=opts.timeout)
+            except PoolError as exc:
+                log(f"    {impl}: counts ERROR {exc}")
         for impl, impl_runs in runs.items():
             if impl_runs:
                 result["impls"][impl] = _summarize(impl_runs, setups[impl], steps)
+                result["impls"][impl].update(_summarize_counts(counts.get(impl)))
     finally:
         for pool in pools.values():
             pool.close(force=bool(pool.broken))

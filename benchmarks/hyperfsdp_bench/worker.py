@@ -20,6 +20,7 @@ def worker_main(
     impl: str, rank: int, world: int, store_path: str, threads: int, distributed: bool, conn
 ) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler of ``counts``: no banner
     import warnings
 
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -192,6 +193,16 @@ class Runner:
         out = self.run(steps)
         prof.disable()
         prof.dump_stats(path.format(impl=self.impl, rank=self.rank))
+        return out
+
+    def counts(self) -> dict:
+        """One untimed step with its copies and allocations counted
+        (``measure.count_copies_and_allocations``); run after the timed rounds, so the
+        profiler's own memory cannot move the peak RSS they measure."""
+        from .measure import count_copies_and_allocations
+
+        out = count_copies_and_allocations(self._step)
+        out["rank"] = self.rank
         return out
 
     def timeline(self) -> dict:

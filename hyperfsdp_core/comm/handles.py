@@ -68,6 +68,7 @@ class Handle:
         self._done = True
         self._work = self._event = None
         self.keepalive = None
+        self._what = None  # names a buffer for a failure's note: not held once done
 
     def abandon(self) -> None:
         """Wait, ignoring errors (used when recovering from a failed iteration)."""
