@@ -231,6 +231,3 @@ def flatten(state: Mapping[str, Any]) -> dict[str, Any]:
         visit((str(key),), value)
     return out
 
-
-def sections_of(keys: Sequence[str] | Mapping[str, Any]) -> set[str]:
-    return {k.split(".", 1)[0] for k in keys}
