@@ -92,7 +92,7 @@ COPY_OPS = {
 
 
 def _setup_paths() -> None:
-    for path in (ROOT, ROOT / "plugins" / "offload"):
+    for path in (ROOT, ROOT / "plugins" / "offload", ROOT / "benchmarks"):
         if str(path) not in sys.path:
             sys.path.insert(0, str(path))
 
@@ -314,6 +314,8 @@ def _stream_overlap(events: list) -> dict:
     by_stream: dict = {}
     for k in kernels:
         by_stream.setdefault(k["args"]["stream"], []).append((k["ts"], k["ts"] + k["dur"]))
+    from offload_cuda import _overlap, _union  # the same interval arithmetic, one copy
+
     compute = max(by_stream, key=lambda s: sum(b - a for a, b in by_stream[s]))
     union = _union(by_stream[compute])
     side = {}
@@ -326,26 +328,6 @@ def _stream_overlap(events: list) -> dict:
             "overlapped_ms": _overlap(spans, union) / 1e3,
         }
     return {"compute_stream": str(compute), "side_streams": side}
-
-
-def _union(intervals):
-    merged: list[list[float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return merged
-
-
-def _overlap(intervals, union) -> float:
-    total = 0.0
-    for start, end in intervals:
-        for u_start, u_end in union:
-            if u_start >= end:
-                break
-            total += max(0.0, min(end, u_end) - max(start, u_start))
-    return total
 
 
 def _case_main(raw: str) -> int:
