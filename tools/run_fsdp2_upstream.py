@@ -44,17 +44,8 @@ SWAP_MODULES = (
     "torch.distributed._composable.fsdp",
     "torch.distributed._composable.fsdp.fully_shard",
 )
-SWAP_NAMES = (
-    "fully_shard",
-    "FSDPModule",
-    "UnshardHandle",
-    "register_fsdp_forward_method",
-    "share_comm_ctx",
-    "MixedPrecisionPolicy",
-    "OffloadPolicy",
-    "CPUOffloadPolicy",
-    "DataParallelMeshDims",
-)
+#: torch's public FSDP2 names, as the core's use_as_fsdp2 switches them
+from hyperfsdp_core._torch_private import FSDP2_NAMES as SWAP_NAMES  # noqa: E402
 
 
 def swap_in_hyperfsdp() -> list[str]:
