@@ -153,10 +153,10 @@ def _unsharded_memory_reuse():
     ptrs, bwd_ptrs = [], []
 
     def record(module, args, output):
-        ptrs.append(module._hyperfsdp_state.group.buckets[0].unsharded_flat.data_ptr())
+        ptrs.append(module._hyperfsdp_state.group.buckets[0].payload.unsharded_flat.data_ptr())
 
     def record_backward(module, grad_input, grad_output):
-        bwd_ptrs.append(module._hyperfsdp_state.group.buckets[0].unsharded_flat.data_ptr())
+        bwd_ptrs.append(module._hyperfsdp_state.group.buckets[0].payload.unsharded_flat.data_ptr())
 
     for block in model.layers:
         block.register_forward_hook(record, prepend=True)  # before the reshard

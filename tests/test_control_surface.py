@@ -269,8 +269,10 @@ def reshard_to_smaller_group():
         with Count() as c:
             out = model(local_slice(x))
             bucket = model.layers[0]._hyperfsdp_state.group.buckets[0]
-            kept = bucket._pf.flat if str(bucket.state) == "post_forward" else None
-            held.append((kept.numel(), bucket.world * bucket.total) if kept is not None else None)
+            kept = bucket.payload._pf.flat if str(bucket.state) == "post_forward" else None
+            held.append(
+                (kept.numel(), bucket.world * bucket.payload.total) if kept is not None else None
+            )
             lm_loss(out, local_slice(y)).backward()
         calls.append(sorted(set(c.calls)))
         lm_loss(ref(x), y).backward()

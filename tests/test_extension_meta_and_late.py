@@ -119,6 +119,34 @@ def test_meta_subclass_parameter_trains_as_fsdp2(run_ranks, world, signature, ra
     assert ours == theirs
 
 
+def unmaterialized_subclass_forward() -> str:
+    """``TwoTensor`` weights sharded on meta and never materialized: the first forward
+    names them (with the plain parameters left on meta)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from hyperfsdp_core import fully_shard
+
+    TwoTensor.fsdp_pre_all_gather = _two_pre_short
+    TwoTensor.fsdp_post_all_gather = _two_post
+    try:
+        with torch.device("meta"):
+            model = nn.Sequential(Block(), nn.Linear(DIM, DIM, bias=False))
+            model[0].up.weight = nn.Parameter(TwoTensor(model[0].up.weight, model[0].up.weight))
+        for module in (model[0], model):
+            fully_shard(module)
+        with pytest.raises(RuntimeError, match="still on the meta device") as info:
+            model(torch.randn(2, DIM))
+        return str(info.value)
+    finally:
+        del TwoTensor.fsdp_pre_all_gather, TwoTensor.fsdp_post_all_gather
+
+
+def test_an_unmaterialized_subclass_parameter_is_named_at_the_first_forward(run_ranks):
+    (message, _) = run_ranks(2, unmaterialized_subclass_forward)
+    assert "0.up.weight" in message  # the extension parameter (its own payload)
+    assert "0.down.weight" in message and "1.weight" in message  # the flat ones
+
+
 # -- methods attached to the local tensor after fully_shard ----------------------------------
 class _Calls:
     meshes: list = []  # the (ndim, size) of each mesh fsdp_pre_all_gather got

@@ -51,7 +51,7 @@ def storage_ptrs(model, impl):
     local = [p.to_local().data_ptr() for p in model.parameters()]
     if impl == "hyperfsdp":
         flat = [
-            b.sharded_flat.data_ptr()
+            b.payload.sharded_flat.data_ptr()
             for m in _units(model)
             for b in (m._hyperfsdp_state.group.buckets if m._hyperfsdp_state.group else ())
         ]
@@ -80,8 +80,10 @@ def padding_is_zero(model, impl):
     for m in _units(model):
         group = m._hyperfsdp_state.group
         for b in group.buckets if group is not None else ():
-            for p, seg in zip(b.params, b.segments):
-                pad = b.sharded_flat[seg.offset + p.layout.actual_numel : seg.offset + seg.numel]
+            for p, seg in zip(b.params, b.payload.segments):
+                pad = b.payload.sharded_flat[
+                    seg.offset + p.layout.actual_numel : seg.offset + seg.numel
+                ]
                 if pad.numel() and bool(pad.ne(0).any()):
                     return False
     return True

@@ -229,7 +229,7 @@ def no_all_gather_cast_path():
     model(torch.randn(2, 4))  # the root keeps its parameters after forward
     (bucket,) = model._hyperfsdp_state.group.buckets
     hp = bucket.params[0]
-    cast = bucket.unsharded_flat
+    cast = bucket.payload.unsharded_flat
     return {
         "owner": str(bucket.storage_owner),
         "dtype": str(hp.unsharded_param.dtype),

@@ -34,9 +34,11 @@ def flats(model):
 
 def padding_is_zero(model):
     for bucket in flats(model):
-        for p, seg in zip(bucket.params, bucket.segments):
+        for p, seg in zip(bucket.params, bucket.payload.segments):
             lay = p.layout
-            pad = bucket.sharded_flat[seg.offset + lay.actual_numel : seg.offset + seg.numel]
+            pad = bucket.payload.sharded_flat[
+                seg.offset + lay.actual_numel : seg.offset + seg.numel
+            ]
             if pad.numel() and not bool((pad == 0).all()):
                 return False
     return True
@@ -45,8 +47,8 @@ def padding_is_zero(model):
 def locals_in_flat_storage(model):
     """Every local shard is the memory of its slot in the bucket's flat buffer."""
     for bucket in flats(model):
-        flat = bucket.sharded_flat
-        for p, seg in zip(bucket.params, bucket.segments):
+        flat = bucket.payload.sharded_flat
+        for p, seg in zip(bucket.params, bucket.payload.segments):
             local = p.sharded_param.to_local()
             if (
                 local.numel()

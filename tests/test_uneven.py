@@ -47,9 +47,9 @@ def uneven_rank(rows, world_expected_lengths):
         local = w.to_local()
         bucket = bucket_of(m.inner)
         result["local_shape"] = tuple(local.shape)
-        result["padded"] = bucket.total
+        result["padded"] = bucket.payload.total
         result["flat_is_storage"] = (
-            local.numel() == 0 or local.data_ptr() == bucket.sharded_flat.data_ptr()
+            local.numel() == 0 or local.data_ptr() == bucket.payload.sharded_flat.data_ptr()
         )
         result["owner"] = str(bucket.storage_owner)
 
@@ -78,9 +78,13 @@ def uneven_padding_after_steps(rows):
         opt.zero_grad()
     bucket = bucket_of(model.inner)
     lay = bucket.params[0].layout
-    flat = bucket.sharded_flat
+    flat = bucket.payload.sharded_flat
     padding = flat[lay.actual_numel : lay.padded_numel]
-    return padding.numel(), bool((padding == 0).all()), bucket.padding_numel
+    return (
+        padding.numel(),
+        bool((padding == 0).all()),
+        sum(p.layout.padding_numel for p in bucket.params),
+    )
 
 
 @pytest.mark.parametrize(
@@ -108,13 +112,14 @@ def even_has_no_padding():
     local = model.inner.weight.to_local()
     model(torch.randn(2, 3))  # lazy init + one all-gather
     return {
-        "padding": bucket.padding_numel,
-        "total": bucket.total,
+        "padding": sum(p.layout.padding_numel for p in bucket.params),
+        "total": bucket.payload.total,
         "actual": local.numel(),
         # the all-gather input *is* the local shard's storage: no copy-in, no padding buffer
-        "same_storage": local.untyped_storage().data_ptr() == bucket.sharded_flat.data_ptr(),
-        "same_start": local.data_ptr() == bucket.sharded_flat.data_ptr(),
-        "storage_bytes": bucket.sharded_flat.untyped_storage().nbytes(),
+        "same_storage": local.untyped_storage().data_ptr()
+        == bucket.payload.sharded_flat.data_ptr(),
+        "same_start": local.data_ptr() == bucket.payload.sharded_flat.data_ptr(),
+        "storage_bytes": bucket.payload.sharded_flat.untyped_storage().nbytes(),
     }
 
 

@@ -1,6 +1,6 @@
 """Which parameters use FSDP2's tensor-subclass all-gather extension
 (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``), checked at ``fully_shard`` time; the
-mechanism is ``engine/extension_bucket.py``."""
+mechanism is ``engine/extension_payload.py``."""
 
 from __future__ import annotations
 

@@ -62,7 +62,7 @@ def check_materialized(states: list[Unit]) -> None:
         for state in states
         if state.group is not None
         for b in state.group.buckets
-        if b.sharded_flat is not None and b.sharded_flat.is_meta
+        if b.payload.on_meta()
         for p in b.params
     ]
     if on_meta:

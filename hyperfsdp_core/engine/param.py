@@ -70,7 +70,7 @@ class ShardedParam:
         self.dtensor_mesh = layout.mesh
         self.placements = layout.placements
         self.wrap_unsharded = layout.wrap_unsharded
-        # FSDP2's tensor-subclass all-gather extension (``engine/extension_bucket.py``)
+        # FSDP2's tensor-subclass all-gather extension (``engine/extension_payload.py``)
         self.extension = extension_of(fqn, layout.tensor, shard_dim)
         self.unwrap_grad = layout.unwrap_grad
         self.orig_dtype = param.dtype

@@ -118,7 +118,7 @@ class Reduction:
     @property
     def unit(self) -> Any:
         """The unit's ``UnitView``."""
-        return self._bucket.unit
+        return self._bucket.settings.unit
 
     @property
     def key(self) -> tuple:
@@ -180,7 +180,7 @@ class Reduction:
 
     def _land(self) -> None:
         out = self.output
-        hook = self._bucket.all_reduce_hook
+        hook = self._bucket.settings.all_reduce_hook
         if hook is not None:
             hook(out)
         for p, seg, present in zip(self._plan.members, self._plan.segments, self.present):
@@ -262,12 +262,12 @@ def reduce_bucket(bucket: Bucket, comm: Comm, *, include_unused: bool) -> Reduct
         if len(members) == 1 and g0 is not None and g0.dtype == rdtype and g0.is_contiguous():
             output = g0.view(-1)  # ours: taken from the unsharded parameter
         else:
-            output = torch.empty(total, dtype=rdtype, device=bucket.device)
+            output = torch.empty(total, dtype=rdtype, device=bucket.compute_device)
             plan.pack(output.view(1, total), grads)
         if before is not None:
             output.div_(before)
         return Reduction(bucket, output, READY, None, plan, present)
-    transport = bucket.transport
+    transport = bucket.settings.transport
     allocates = transport is not None and transport.allocator("reduce") is not None
     first = plan.plans[0]
     direct = (
@@ -289,12 +289,18 @@ def reduce_bucket(bucket: Bucket, comm: Comm, *, include_unused: bool) -> Reduct
         grads = g0 = None
     if before is not None:
         pack.div_(before)
-    output = torch.empty(total, dtype=rdtype, device=bucket.device)
+    output = torch.empty(total, dtype=rdtype, device=bucket.compute_device)
     group = bucket.reduce_group or bucket.mesh_info.shard_group
     # the pack is ours (a pool buffer, or the gradient taken from the unsharded parameter):
     # on gloo the reduction runs in place on it
     handle = comm.reduce_scatter(
-        output, pack, group, dist.ReduceOp.SUM, transport, unit=bucket.unit_fqn, scratch_input=True
+        output,
+        pack,
+        group,
+        dist.ReduceOp.SUM,
+        transport,
+        unit=bucket.settings.unit_fqn,
+        scratch_input=True,
     )
     if handle.done:  # it ran in line (shared memory): the pack is free now
         comm.recycle(recycle, "reduce", transport)

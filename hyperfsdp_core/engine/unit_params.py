@@ -17,7 +17,9 @@ import torch
 from .._torch_private import dtensor_local_tensor
 from ..comm import Comm, Transport, compose_transport
 from . import held as _held
-from .bucket import Bucket
+from .bucket import Bucket, UnitSettings
+from .extension_payload import ExtensionPayload
+from .flat_payload import FlatPayload
 from .lifecycle import BucketState
 from .param import ShardedParam
 from .reduction import Reduction, reduce_bucket
@@ -65,13 +67,11 @@ class UnitParams:
 
     def rebucket(self) -> None:
         """(Re)group the parameters by topology and dtypes (after dtype changes, too)."""
-        from .extension_bucket import ExtensionBucket
-
         by_key: dict[tuple, list[ShardedParam]] = {}
         for p in self.params:
             by_key.setdefault(Bucket.key(p), []).append(p)
         self.buckets = [
-            (ExtensionBucket if members[0].extension else Bucket)(members, self.device)
+            Bucket(members, self.device, ExtensionPayload if members[0].extension else FlatPayload)
             for members in by_key.values()
         ]
         self.apply_settings()
@@ -122,18 +122,21 @@ class UnitParams:
         transport = compose_transport(
             self.custom_all_gather, self.custom_reduce_scatter, self.plugin_transport
         )
+        settings = UnitSettings(
+            unit=self.unit,
+            unit_fqn=self.unit_fqn,
+            mp_policy=self.mp_policy,
+            fill_input=self.fill_input,
+            all_reduce_hook=self.all_reduce_hook,
+            custom_all_gather=self.custom_all_gather,
+            transport=transport,
+            pf_transport=self.plugin_transport,
+        )
         for b in self.buckets:
             gathers = b.needs_all_gather
             b.configure(
-                unit=self.unit,
-                unit_fqn=self.unit_fqn,
-                mp_policy=self.mp_policy,
-                fill_input=self.fill_input,
+                settings,
                 divide_factor=self.divide_factor,
-                all_reduce_hook=self.all_reduce_hook,
-                custom_all_gather=self.custom_all_gather,
-                transport=transport,
-                pf_transport=self.plugin_transport,
                 reduce_group=(
                     separate_group(b.mesh_info) if self.separate_reduce_group and gathers else None
                 ),
@@ -163,8 +166,6 @@ class UnitParams:
         lazy init and after each storage rebuild. They move to extension buckets keeping
         their local tensor objects (which carry the methods); the other buckets' storage is
         rebuilt around their shards."""
-        from .extension_bucket import ExtensionBucket
-
         if not [p for p in self.params if p.gained_extension()]:
             return
         self.reshard()
@@ -173,7 +174,7 @@ class UnitParams:
         device, pin = self._storage_place(torch.device("meta") if meta else self.device)
         self.rebucket()
         for b in self.buckets:
-            if isinstance(b, ExtensionBucket):
+            if b.params[0].extension:  # keeps the local tensors that carry the methods
                 b.adopt_sharded()
             else:
                 b.build_sharded([locals_by_param[id(p)] for p in b.params], device, pin)

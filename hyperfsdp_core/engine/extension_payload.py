@@ -2,8 +2,8 @@
 ``fsdp_post_all_gather``): torchao's float8 and int8 training weights, and any subclass
 written to that protocol.
 
-A parameter whose (TP-)local tensor defines both methods goes to an
-:class:`ExtensionBucket` of its unit (``Bucket.key`` tells them apart). There:
+A parameter whose (TP-)local tensor defines both methods goes to a bucket of its unit
+whose payload is an :class:`ExtensionPayload` (``Bucket.key`` tells them apart). There:
 
 * its sharded local tensor stays the subclass: a prefix view of a padded subclass
   tensor made with ``new_zeros`` (the padding rows are zero), wrapped in the DTensor the
@@ -36,17 +36,19 @@ empty tensor.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 from torch import nn
 
 from .._torch_private import dtensor_local_tensor, foreach_copy_, foreach_zero_, storage_id
-from ..comm import Comm
+from ..comm import READY, Comm, Handle
 from .bucket import Bucket
 from .buffers import free
 from .extension import pre_arity
 from .lifecycle import BucketState
-from .param import ShardedParam
+from .mesh_info import MeshInfo
+from .param import ShardedParam, StorageOwner
 
 
 def _shard_mesh(info):
@@ -152,54 +154,57 @@ class _Member:
             self.inner.append((st, st.size()))
 
 
-class ExtensionBucket(Bucket):
-    """A unit's parameters that share topology and dtypes and whose local tensors define
-    the all-gather extension: one all-gather of their payload bytes, the usual
-    reduce-scatter of their gradients."""
+class ExtensionPayload:
+    """The extension payload of one bucket (``bucket``): its members' padded subclass
+    shards, one all-gather of their payload bytes, and their gather outputs."""
 
-    def __init__(self, params: list[ShardedParam], device: torch.device) -> None:
-        super().__init__(params, device)
+    #: the members' unsharded memory: per-member outputs filled by copy-out
+    storage_owner = StorageOwner.FUSED_BUFFER
+
+    def __init__(self, bucket: Bucket) -> None:
+        self.bucket = bucket
         self._members: list[_Member] | None = None
         self._row_bytes = 0
-        self._metadata: list | None = None
+        self._staging: torch.Tensor | None = None  # the gathered rows, rank-major bytes
+        self._metadata: list | None = None  # fsdp_pre_all_gather's, per member
         self._pre_mesh = None
         self._arity: list[int] | None = None  # each member's fsdp_pre_all_gather arity
 
+    def refresh_copy_in(self) -> None:
+        """The payload is always the subclass's own (nothing to decide)."""
+
+    def bind(self, comm: Comm) -> None:
+        """Nothing kept from the comm of an unshard."""
+
+    def use_storage_pool(self, pool) -> None:
+        """Nothing parked: the outputs are per member, freed at reshard."""
+
     # -- sharded storage --------------------------------------------------------------------
-    def build_sharded(
-        self, locals_: list[torch.Tensor], device: torch.device, pin_memory: bool = False
-    ) -> None:
+    def build(self, locals_: list[torch.Tensor], device: torch.device, pin_memory: bool) -> None:
         """Each member's padded shard is a subclass tensor of its own (``new_zeros``, as
         FSDP2 pads); the registered local tensor is its prefix view."""
-        self.reshard()
         with torch.no_grad():
-            for p, local in zip(self.params, locals_, strict=True):
+            for p, local in zip(self.bucket.params, locals_, strict=True):
                 lay = p.layout
                 padded = local.new_zeros(lay.padded_shape, device=device)
                 actual = padded.narrow(p.shard_dim, 0, lay.actual_len)
                 if lay.actual_len and device.type != "meta":
                     actual.copy_(local)
                 p.install_sharded(actual, padded)
-        self._sharded_built()
+        self.adopt()
 
-    def adopt_sharded(self) -> None:
+    def adopt(self) -> None:
         """Take the members' sharded parameters as they are, local tensor objects and
         padded slots alike: a member whose local tensor was given the extension's methods
         after ``fully_shard`` (``param._local_tensor.fsdp_pre_all_gather = ...``, as
         FSDP2's users patch it) keeps that object, which carries them."""
-        self.reshard()
-        self._sharded_built()
-
-    def _sharded_built(self) -> None:
-        self.sharded_flat = None
         self._members = None
         self._arity = None
-        for p in self.params:
+        for p in self.bucket.params:
             p.set_unsharded(None)
-        self.refresh_copy_in()
-        self.pending = self._staging = None
-        self._move("rebuild")
-        self.reduce_key = None
+
+    def on_meta(self) -> bool:
+        return any(dtensor_local_tensor(p.sharded_param).is_meta for p in self.bucket.params)
 
     def init_unsharded(self) -> None:
         """The unsharded parameters are what ``fsdp_post_all_gather`` builds at the first
@@ -207,17 +212,17 @@ class ExtensionBucket(Bucket):
 
     # -- unshard ------------------------------------------------------------------------------
     def _payloads(self) -> list[tuple[list[torch.Tensor], object]]:
+        b = self.bucket
         if self._pre_mesh is None:
-            self._pre_mesh = _shard_mesh(self.mesh_info)
+            self._pre_mesh = _shard_mesh(b.mesh_info)
         mesh, out = self._pre_mesh, []
-        mp = self.mp_policy
         with torch.no_grad():
-            locals_ = [dtensor_local_tensor(p.sharded_param) for p in self.params]
+            locals_ = [dtensor_local_tensor(p.sharded_param) for p in b.params]
             if self._arity is None:
                 self._arity = [pre_arity(local) for local in locals_]
-            for p, local, arity in zip(self.params, locals_, self._arity, strict=True):
-                if local.device != self.compute_device:  # offloaded storage
-                    local = local.to(self.compute_device, non_blocking=True)
+            for p, local, arity in zip(b.params, locals_, self._arity, strict=True):
+                if local.device != b.compute_device:  # offloaded storage
+                    local = local.to(b.compute_device, non_blocking=True)
                 if arity == 1:
                     inputs, metadata = local.fsdp_pre_all_gather(mesh)
                 else:
@@ -226,22 +231,22 @@ class ExtensionBucket(Bucket):
                         torch.Size(p.unsharded_shape),
                         p.unsharded_stride,
                         p.module_infos[0][0],
-                        mp,
+                        b.settings.mp_policy,
                     )
                 out.append((list(inputs), metadata))
         return out
 
     def _lay_out_rows(self, payloads) -> None:
         members, offset = [], 0
-        for p, (inputs, _) in zip(self.params, payloads, strict=True):
-            m = _Member(p, inputs, self.world, offset)
+        for p, (inputs, _) in zip(self.bucket.params, payloads, strict=True):
+            m = _Member(p, inputs, self.bucket.world, offset)
             offset += m.nbytes
             members.append(m)
         self._members = members
         self._row_bytes = offset
 
     def _check_shapes(self, payloads) -> None:
-        for p, m, (inputs, _) in zip(self.params, self._members, payloads, strict=True):
+        for p, m, (inputs, _) in zip(self.bucket.params, self._members, payloads, strict=True):
             shapes = [tuple(t.shape) for t in inputs]
             if shapes != m.shapes:
                 raise RuntimeError(
@@ -250,19 +255,19 @@ class ExtensionBucket(Bucket):
                     "same payload shapes at every unshard"
                 )
 
-    def start_unshard(self, comm: Comm) -> None:
-        if self.state is BucketState.UNSHARDED or self.is_gathering:
-            return
-        self._comm = comm
+    def start_gather(self, comm: Comm) -> Handle:
+        """Ask every member for its payload and issue one all-gather of their bytes."""
+        b = self.bucket
         payloads = self._payloads()
         if self._members is None:
             self._lay_out_rows(payloads)
         else:
             self._check_shapes(payloads)
         self._metadata = [meta for _, meta in payloads]
-        world, rank, row_bytes = self.world, self.mesh_info.shard_rank, self._row_bytes
-        transport = self.transport
-        staging = self._staging = comm.buffer(world * row_bytes, torch.uint8, "gather", transport)
+        world, rank, row_bytes = b.world, b.mesh_info.shard_rank, self._row_bytes
+        staging = self._staging = comm.buffer(
+            world * row_bytes, torch.uint8, "gather", b.settings.transport
+        )
         rows = staging.view(world, row_bytes)
         own = rows[rank]
         srcs, dsts, pads = [], [], []
@@ -276,7 +281,7 @@ class ExtensionBucket(Bucket):
                     pads.append(own[at + filled : at + nb])
                 at += nb
 
-        def fill(zero_others: bool = False) -> None:
+        def fill(zero_others: bool) -> None:
             if zero_others:
                 others = [t for t in (rows[:rank], rows[rank + 1 :]) if t.numel()]
                 if others:
@@ -286,93 +291,57 @@ class ExtensionBucket(Bucket):
             if pads:
                 foreach_zero_(pads)
 
-        group = self.mesh_info.shard_group
-        route = "local" if not self.needs_all_gather else None
-        route = route or comm.gather_route_of(transport, group, world * row_bytes, True)
+        route = b.route(comm, world * row_bytes, True)
         if route == "local":
-            fill()
-            handle = _Done()
-        elif route == "rows":
-            handle = comm.all_gather_rows(
-                staging, [rows], rank, group, transport, unit=self.unit_fqn, prepare=fill
-            )
-        elif route != "native":
-            handle = comm.all_gather_in_place(
-                staging, group, transport, unit=self.unit_fqn, prepare=lambda: fill(True)
-            )
-        else:
-            handle = comm.all_gather(
-                staging, own, group, transport, unit=self.unit_fqn, prepare=fill
-            )
-        self.pending = handle
-        self._move("unshard")
+            fill(False)
+            return READY
+        prepare = partial(fill, route not in ("native", "rows"))  # in place: zeros elsewhere
+        return b.gather(comm, route, staging, own=own, rows=[rows], prepare=prepare)
 
-    def finish_unshard(self, comm: Comm) -> None:
-        if not self.is_gathering:
-            return
-        handle = self.pending
-        handle.wait()
-        self.pending = None
+    def finish_gather(self, comm: Comm, *, from_post_forward: bool) -> None:
+        """Copy each payload tensor out of the gathered rows and have
+        ``fsdp_post_all_gather`` build (or refill) the unsharded parameters."""
+        b = self.bucket
         staging, self._staging = self._staging, None
-        rows = staging.view(self.world, self._row_bytes)
+        rows = staging.view(b.world, self._row_bytes)
         sizes, outs = [], []
         for m in self._members:
             m.alloc()
             sizes += m.byte_sizes
             outs += m.copy_views
         torch.split_with_sizes_copy(rows, sizes, dim=1, out=outs)
-        comm.recycle(staging, "gather", self.transport)
+        comm.recycle(staging, "gather", b.settings.transport)
         metadata, self._metadata = self._metadata, None
         with torch.inference_mode(False), torch.no_grad():
-            for p, m, meta in zip(self.params, self._members, metadata, strict=True):
-                local = dtensor_local_tensor(p.sharded_param)
-                if p.unsharded_param is None:
-                    tensor, inner = local.fsdp_post_all_gather(tuple(m.unflat), meta, p.param_dtype)
-                    if tuple(tensor.shape) != p.unsharded_shape:
-                        raise RuntimeError(
-                            f"hyperfsdp: parameter {p.fqn!r}: fsdp_post_all_gather built a "
-                            f"tensor of shape {tuple(tensor.shape)}, expected {p.unsharded_shape}"
-                        )
-                    m.keep_inner(inner)
-                    if p.wrap_unsharded is not None:
-                        tensor = p.wrap_unsharded(tensor)
-                    p.set_unsharded(nn.Parameter(tensor, requires_grad=p.requires_grad))
-                else:
-                    local.fsdp_post_all_gather(
-                        tuple(m.unflat), meta, p.param_dtype, out=p.unsharded_param
-                    )
-        for p in self.params:
-            p.to_unsharded()
-        self._move("gathered")
+            for p, m, meta in zip(b.params, self._members, metadata, strict=True):
+                self._post_all_gather(p, m, meta)
+
+    def _post_all_gather(self, p: ShardedParam, m: _Member, meta) -> None:
+        local = dtensor_local_tensor(p.sharded_param)
+        if p.unsharded_param is not None:
+            local.fsdp_post_all_gather(tuple(m.unflat), meta, p.param_dtype, out=p.unsharded_param)
+            return
+        tensor, inner = local.fsdp_post_all_gather(tuple(m.unflat), meta, p.param_dtype)
+        if tuple(tensor.shape) != p.unsharded_shape:
+            raise RuntimeError(
+                f"hyperfsdp: parameter {p.fqn!r}: fsdp_post_all_gather built a "
+                f"tensor of shape {tuple(tensor.shape)}, expected {p.unsharded_shape}"
+            )
+        m.keep_inner(inner)
+        if p.wrap_unsharded is not None:
+            tensor = p.wrap_unsharded(tensor)
+        p.set_unsharded(nn.Parameter(tensor, requires_grad=p.requires_grad), self.storage_owner)
 
     # -- reshard ------------------------------------------------------------------------------
-    def reshard_post_forward(self) -> None:
+    def keep_post_forward(self, info: MeshInfo) -> bool:
         """``reshard_after_forward=<int>``: the payload is the subclass's, so the members
         reshard fully (FSDP2 raises for such parameters)."""
-        self.reshard()
+        return False
 
-    def reshard(self) -> None:
-        if self.pending is not None:
-            self.pending.abandon()
-            self.pending = None
-            self._staging = None
-            self._metadata = None
-        if self.state is BucketState.UNSHARDED:
-            for p in self.params:
-                p.to_sharded()
-        self._move("reshard")
+    def release(self, state: BucketState) -> None:
+        """Reshard from ``state``: drop an unfinished gather's data, free the outputs."""
+        self._staging = None
+        self._metadata = None
         if self._members is not None:
             for m in self._members:
                 m.free()
-
-
-class _Done:
-    """The handle of an unshard with nothing to gather (one rank)."""
-
-    done = True
-
-    def wait(self) -> None:
-        pass
-
-    def abandon(self) -> None:
-        pass
