@@ -324,7 +324,10 @@ def gradient_penalty(with_output_term):
         loss = penalty_loss(model, local_slice(x), with_output_term)
         ref_loss = penalty_loss(ref, x, with_output_term)
         assert_grads(model, ref, f"step {i} after the create_graph backward")  # all None
+        ctx = model._hyperfsdp_state.ctx
+        assert str(ctx.backward) == "graph_held"  # its graph saved the unsharded parameters
         loss.backward()
+        assert str(ctx.backward) == "none"  # consumed
         ref_loss.backward()
         assert_loss(loss, ref_loss, f"step {i}")
         assert_grads(model, ref, f"step {i}")

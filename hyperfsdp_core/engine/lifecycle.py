@@ -1,12 +1,12 @@
-"""The state machines, as tables: a unit's hook states (:data:`TRANSITIONS`) and a bucket's
-parameters (:data:`BUCKET_TRANSITIONS`).
+"""The state machines, as tables: a unit's hook states (:data:`TRANSITIONS`), a bucket's
+parameters (:data:`BUCKET_TRANSITIONS`) and a root's backwards (:data:`BACKWARD_TRANSITIONS`).
 
 Every hook event of a unit goes through ``UnitState._transition`` (logged when the root's
 transition log is on), and every change of a bucket's state through ``Bucket._move``, against
 these tables: re-entry (activation-checkpoint recomputation, several outputs, list units,
 prefetches nobody consumed) is explicit and a pair not listed raises, rather than being
 scattered over flags. The two ways back to ``IDLE`` are not events of the table: the end of a
-unit's iteration (``BackwardHooks.end_unit``, from the root's drain) and
+unit's iteration (``UnitState.end_unit``, from the root's drain) and
 ``UnitState.reset_iter_state`` set it from whatever state they find, unlogged.
 """
 
@@ -63,7 +63,7 @@ TRANSITIONS: dict[str, dict[TrainingState, TrainingState]] = {
     },
 }
 # The root drain (and FSDPModule.reduce_grads() outside a backward) then returns every unit
-# to IDLE from whatever state it finds (``BackwardHooks.end_unit``).
+# to IDLE from whatever state it finds (``UnitState.end_unit``).
 
 
 class BucketState(enum.Enum):
@@ -99,4 +99,38 @@ BUCKET_TRANSITIONS: dict[str, dict[BucketState, BucketState]] = {
     "reshard": _ANY_TO_SHARDED,
     # build_sharded: new sharded storage (load, to(), to_empty())
     "rebuild": _ANY_TO_SHARDED,
+}
+
+
+class BackwardState(enum.Enum):
+    """Where a root stands with its backwards (``RootContext.backward``), including a graph
+    a ``create_graph=True`` backward built, which saved the units' unsharded parameters."""
+
+    #: no backward runs, and no graph holds the unsharded parameters
+    NONE = "none"
+    #: a backward runs that builds no graph
+    RUNNING = "running"
+    #: a backward with ``create_graph=True`` runs: its graph saves the unsharded parameters
+    BUILDING_GRAPH = "building_graph"
+    #: between backwards: the graph built may still read the unsharded parameters
+    GRAPH_HELD = "graph_held"
+    #: a backward through that graph runs, building none: it consumes the graph
+    CONSUMING_GRAPH = "consuming_graph"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+G = BackwardState
+#: event -> {from state: to state} (``RootContext.begin_backward``/``end_backward``); the
+#: root's ``reset`` returns to ``NONE`` from anywhere.
+BACKWARD_TRANSITIONS: dict[str, dict[BackwardState, BackwardState]] = {
+    "begin": {G.NONE: G.RUNNING, G.GRAPH_HELD: G.CONSUMING_GRAPH},
+    "begin_creating_graph": {G.NONE: G.BUILDING_GRAPH, G.GRAPH_HELD: G.BUILDING_GRAPH},
+    "end": {
+        G.RUNNING: G.NONE,
+        G.CONSUMING_GRAPH: G.NONE,
+        G.BUILDING_GRAPH: G.GRAPH_HELD,
+        G.NONE: G.NONE,  # reset_iter_state() ran during the backward
+    },
 }

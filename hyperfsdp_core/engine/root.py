@@ -15,6 +15,7 @@ import torch
 
 from .._torch_private import queue_end_of_backward_callback, tree_map
 from ..comm import Comm, PluginComm
+from .lifecycle import BACKWARD_TRANSITIONS, BackwardState
 from .port import RootHooks
 from .stash import Stash
 
@@ -53,14 +54,11 @@ class RootContext:
         self.post_optim_event = root.post_optim_event
         # per iteration
         self.iter_forward_root: Unit | None = None
-        self.in_backward = False
-        self.callback_queued = False
-        # the current backward runs with create_graph=True (grad mode on in its hooks)
-        self.creates_graph = False
-        # a create_graph backward saved the units' unsharded parameters in the graph it
-        # built: they stay allocated, and reductions wait for the root drain, until a
-        # backward that builds no graph has consumed it (see ``enter_graph_mode``)
-        self.graph_live = False
+        # the backwards (lifecycle.BackwardState): a create_graph backward saves the
+        # units' unsharded parameters in the graph it builds; they stay allocated, and
+        # reductions wait for the root drain, until a backward that builds no graph has
+        # consumed it (see ``_enter_graph_mode``)
+        self.backward = BackwardState.NONE
         self._graph_hooks: list[Any] = []
         self.post_forward_order: list[Unit] = []
         self.forward_order: list[Unit] = []
@@ -93,10 +91,6 @@ class RootContext:
         """The root's resolved plugin hooks: finalization phases and collective observers."""
         self.finalize_runs = hooks.finalize_runs
         self.comm.observers.extend(hooks.observers)
-
-    def backward_active(self) -> bool:
-        """Whether a backward of this root is running (units' held parameters in use)."""
-        return self.in_backward
 
     def set_comm(self, comm: Comm) -> None:
         """Use ``comm`` for every unit of this root (``share_comm_ctx``)."""
@@ -184,31 +178,67 @@ class RootContext:
         self.comm.order_gathers(False)  # until the backward (or the next forward)
 
     # -- backward -------------------------------------------------------------------------------
+    @property
+    def in_backward(self) -> bool:
+        """Whether a backward of this root is running (units' held parameters in use)."""
+        state = self.backward
+        return state is not BackwardState.NONE and state is not BackwardState.GRAPH_HELD
+
+    @property
+    def creates_graph(self) -> bool:
+        """The running backward has ``create_graph=True`` (grad mode on in its hooks)."""
+        return self.backward is BackwardState.BUILDING_GRAPH
+
+    @property
+    def graph_live(self) -> bool:
+        """A graph a create_graph backward built exists and no backward consumed it yet."""
+        state = self.backward
+        return state is not BackwardState.NONE and state is not BackwardState.RUNNING
+
+    @property
+    def graph_holds_params(self) -> bool:
+        """A create_graph graph may still read the unsharded parameters: the backward that
+        builds it is running, or it has run and no backward has consumed it yet."""
+        state = self.backward
+        return state is BackwardState.BUILDING_GRAPH or state is BackwardState.GRAPH_HELD
+
+    def _move_backward(self, event: str) -> None:
+        try:
+            self.backward = BACKWARD_TRANSITIONS[event][self.backward]
+        except KeyError:
+            raise RuntimeError(
+                f"hyperfsdp: the root's backward got {event!r} in state {self.backward}; if a "
+                "previous iteration raised, call reset_iter_state() on the root module"
+            ) from None
+
     def begin_backward(self) -> None:
-        self.in_backward = True
-        if not self.callback_queued:  # once per backward
-            # the sharded parameters are as the forward read them (ordered after the
-            # optimizer step by then): backward all-gathers into fresh memory wait for
-            # nothing else
-            self.comm.order_gathers(True)
-            self.callback_queued = True
-            queue_end_of_backward_callback(self.root.root_post_backward_hook)
-            # hooks run in autograd's grad mode, which is on exactly with create_graph=True
-            self.creates_graph = torch.is_grad_enabled()
-            if self.creates_graph and not self.graph_live:
-                self.enter_graph_mode()
+        """A unit's backward hook ran: the root's backward begins (once per backward)."""
+        if self.in_backward:
+            return
+        # the sharded parameters are as the forward read them (ordered after the
+        # optimizer step by then): backward all-gathers into fresh memory wait for
+        # nothing else
+        self.comm.order_gathers(True)
+        queue_end_of_backward_callback(self.root.root_post_backward_hook)
+        # hooks run in autograd's grad mode, which is on exactly with create_graph=True
+        if not torch.is_grad_enabled():
+            self._move_backward("begin")
+            return
+        hooked = self.graph_live  # a graph is held already: its hooks are registered
+        self._move_backward("begin_creating_graph")
+        if not hooked:
+            self._enter_graph_mode()
 
     # -- higher-order gradients -----------------------------------------------------------------
-    def enter_graph_mode(self) -> None:
+    def _enter_graph_mode(self) -> None:
         """A backward builds a graph (``create_graph=True``) that saved unsharded parameters.
 
         Until a later backward consumes that graph, the parameters stay allocated, and
         every gradient that lands on them starts the root drain even when no unit's
         output-gradient hook runs (a gradient penalty's graph reaches the parameters
         directly): each unsharded parameter that requires grad gets a hook, removed again
-        in :meth:`leave_graph_mode`. Only this rare path pays for the hooks.
+        in :meth:`_leave_graph_mode`. Only this rare path pays for the hooks.
         """
-        self.graph_live = True
         for state in self.states:
             if state.group is None:
                 continue
@@ -219,18 +249,11 @@ class RootContext:
                         param.register_post_accumulate_grad_hook(self._grad_in_graph)
                     )
 
-    @property
-    def graph_holds_params(self) -> bool:
-        """A create_graph graph may still read the unsharded parameters: the backward that
-        builds it is running, or it has run and no backward has consumed it yet."""
-        return self.graph_live and (self.creates_graph or not self.in_backward)
-
     def _grad_in_graph(self, param: torch.Tensor) -> None:
         if not self.in_backward:
             self.begin_backward()
 
-    def leave_graph_mode(self) -> None:
-        self.graph_live = False
+    def _leave_graph_mode(self) -> None:
         for handle in self._graph_hooks:
             handle.remove()
         self._graph_hooks = []
@@ -259,11 +282,9 @@ class RootContext:
 
     def end_backward(self, is_last_backward: bool) -> None:
         self.comm.trim()
-        self.in_backward = False
-        self.callback_queued = False
-        if self.graph_live and not self.creates_graph:
-            self.leave_graph_mode()  # this backward consumed the graph
-        self.creates_graph = False
+        if self.backward is BackwardState.CONSUMING_GRAPH:
+            self._leave_graph_mode()  # this backward consumed the graph
+        self._move_backward("end")
         # a standalone call of a list unit's module (a chunked-loss head) claims the
         # forward root without finishing it; the next forward starts fresh
         self.iter_forward_root = None
@@ -289,10 +310,8 @@ class RootContext:
         self.pending_reductions = []
         self.iter_forward_root = None
         self.comm.order_gathers(False)
-        self.in_backward = False
-        self.callback_queued = False
-        self.creates_graph = False
-        self.leave_graph_mode()
+        self.backward = BackwardState.NONE
+        self._leave_graph_mode()
         self.post_forward_order.clear()
         self.forward_order = []
         for state in self.states:

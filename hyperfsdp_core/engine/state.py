@@ -1,7 +1,9 @@
 """One unit's hooks: the forward and backward hooks of a ``fully_shard`` call, driving its
 parameters through the state machine of ``lifecycle.py`` (RFC section 3:
-``IDLE -> PRE_FORWARD -> FORWARD -> PRE_BACKWARD -> BACKWARD``). A root's lazy init is in
-``lazy_init.py``, its end-of-backward drain in ``drain.py``.
+``IDLE -> PRE_FORWARD -> FORWARD -> PRE_BACKWARD -> BACKWARD``): unshard (with prefetch)
+and reshard around the forward; in backward, unshard again, reduce the gradients once per
+backward, reshard. A root's lazy init is in ``lazy_init.py``, its end-of-backward drain
+in ``drain.py``.
 """
 
 from __future__ import annotations
@@ -15,12 +17,12 @@ from torch import nn
 
 from ..comm import Comm
 from .autograd import register_post_backward, register_pre_backward
-from .backward import BackwardHooks
+from .drain import drain
 from .lazy_init import init_root
 from .lifecycle import TRANSITIONS, TrainingState
 from .options import UnitOptions
 from .port import PluginPort
-from .root import TREE_SETTINGS, RootContext
+from .root import TREE_SETTINGS, RootContext, finish_reductions
 from .stash import Stash
 from .storage import announce_reset, rebuild_storage
 from .unit_params import UnitParams
@@ -28,7 +30,7 @@ from .unit_params import UnitParams
 S = TrainingState
 
 
-class UnitState(BackwardHooks):
+class UnitState:
     """One ``fully_shard`` call: its modules, parameter group, hooks and options."""
 
     def __init__(
@@ -131,7 +133,7 @@ class UnitState(BackwardHooks):
     def prepare_for_root(self) -> None:
         """Plans and resolved hooks, once every unit of the root has joined it."""
         if self.group is not None:
-            self.group.track_backward(self.ctx.backward_active)
+            self.group.join_root(self.ctx)
             self.prepare_group()
         forward = self.port.forward_hooks(self.view)
         self.input_transforms = forward.inputs
@@ -330,6 +332,133 @@ class UnitState(BackwardHooks):
                 state.prefetched = False
                 state.group.reshard()  # prefetched, but not run this iteration
         ctx.end_forward()
+
+    # -- backward -----------------------------------------------------------------------------
+
+    def pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        if self.training_state is S.PRE_BACKWARD:
+            return grad
+        ctx = self.ctx
+        assert ctx is not None
+        self._transition("backward_pre")
+        ctx.begin_backward()
+        group = self.group
+        if group is not None and self.options.unshard_in_backward:
+            group.unshard(self.comm)
+        if self.is_root and self.options.backward_prefetch is None and self.can_defer_prefetch:
+            # The root's backward (loss, output head) is where activation memory peaks:
+            # prefetch once its first gradient is accumulated, past that peak.
+            self.deferred_prefetch = True
+        else:
+            self._backward_prefetch(ctx)
+        if group is not None and self.options.unshard_in_backward:
+            group.wait_for_unshard(self.comm)
+        return grad
+
+    def _backward_prefetch(self, ctx: RootContext) -> None:
+        targets = self.options.backward_prefetch
+        if targets is None:
+            if not self.post_forward_indices:
+                return
+            index = self.post_forward_indices.pop()
+            if index == 0:
+                return
+            target = ctx.post_forward_order[index - 1]
+            if target.group is not None and not target.group.prefetch_overlaps(target.comm):
+                return  # gathered in line in its own pre-backward (see _forward_prefetch)
+            targets = [target]
+        for target in targets:
+            # a unit whose backward already ran this pass (e.g. a stale entry from an
+            # earlier microbatch) must not be gathered again: nothing would free it
+            if (
+                target.group is not None
+                and target.options.unshard_in_backward
+                and target is not self
+                and target.training_state is not S.BACKWARD
+            ):
+                if not target.group.is_unsharded:  # parked memory would idle until then
+                    ctx.comm.stop_parking()
+                target.group.unshard(target.comm)
+
+    def post_backward(self, force: bool = False) -> None:
+        """Reduce this unit's gradients and reshard; idempotent within one backward.
+
+        ``force`` (:func:`reduce_grads`, the root drain after a ``create_graph`` backward)
+        also reduces gradients that arrived since the unit's post-backward, or without
+        its hooks.
+        """
+        state = self.training_state
+        group = self.group
+        if not force:
+            if state is S.BACKWARD:
+                return
+            if state is S.IDLE and not (
+                group is not None and self.options.reduce_scatter_unused_params
+            ):
+                return
+        self._transition("post_backward")
+        if group is None:
+            return
+        ctx = self.ctx
+        assert ctx is not None
+        if ctx.graph_live and not force:
+            # a create_graph graph saved our unsharded parameters and may still add
+            # gradients to them later in this backward: the root drain reduces and reshards
+            return
+        self._reduce(ctx, reshard=not ctx.graph_holds_params)
+
+    def _reduce(self, ctx: RootContext, reshard: bool) -> None:
+        group = self.group
+        assert group is not None
+        if ctx.creates_graph:
+            self._check_grads_not_differentiable()
+        # Free the unsharded parameters first (their gradients are separate tensors), so
+        # they are not held while the reduce-scatter buffers are allocated.
+        if reshard and self.options.reshard_after_backward:
+            group.reshard()
+        if self.options.requires_gradient_sync:
+            # RFC 6.3: wait for the earlier units' reduce-scatters (at most
+            # max_reduce_buffers - 1 stay in flight), issue ours, and only then finish the
+            # earlier ones: their reducers' data-parallel all-reduces are issued after our
+            # reduce-scatter, never queued ahead of it.
+            earlier = ctx.wait_reductions(keep=self.options.max_reduce_buffers - 1)
+            reductions = group.reduce(
+                self.comm, include_unused=self.options.reduce_scatter_unused_params
+            )
+            if reductions:
+                ctx.add_reductions(self, reductions)
+            for state, reds in earlier:
+                finish_reductions(state, reds, ctx.comm)
+        else:
+            group.keep_grads()
+
+    def _check_grads_not_differentiable(self) -> None:
+        for p in self.group.params:
+            grad = p.unsharded_param.grad if p.unsharded_param is not None else None
+            if grad is not None and grad.requires_grad:
+                raise RuntimeError(
+                    f"hyperfsdp: backward(create_graph=True) gave parameter {p.fqn!r} (unit "
+                    f"{self.fqn or '<root>'!r}) a differentiable gradient; a sharded gradient is "
+                    "reduced across ranks, which autograd cannot differentiate, so higher-order "
+                    "gradients through parameter gradients are not supported. For a gradient "
+                    "penalty, differentiate with respect to activations instead: "
+                    "torch.autograd.grad(out, inputs, create_graph=True)"
+                )
+
+    def root_post_backward(self) -> None:
+        """End-of-backward callback of the root (``drain.py``)."""
+        drain(self.ctx)
+
+    def end_unit(self, keep_unsharded: bool = False) -> None:
+        self.training_state = S.IDLE
+        self.modules_to_run.clear()
+        self.deferred_prefetch = False
+        group = self.group
+        if group is not None:
+            if group.has_pending or (self.options.reshard_after_backward and not keep_unsharded):
+                group.reshard()  # also drops prefetched gathers nobody consumed
+            elif group.is_unsharded:
+                group.hold()  # kept: dropped before an optimizer steps
 
     # -- recovery -----------------------------------------------------------------------------
     def reset_iter_state(self) -> None:

@@ -26,6 +26,7 @@ from .reduction import Reduction, reduce_bucket
 
 if TYPE_CHECKING:
     from .records import ShardedStorage
+    from .root import RootContext
 
 
 class UnitParams:
@@ -51,10 +52,10 @@ class UnitParams:
         self.fill_input: Callable[[torch.Tensor, torch.Tensor], None] | None = None
         self.divide_factor: float | None = None
         self.post_forward_size: int | None = None
-        # unsharded memory held past the unit's hooks (see ``hold``), and whether the
-        # unit's root is in a backward now (set at lazy init)
+        # unsharded memory held past the unit's hooks (see ``hold``), and the unit's root
+        # (whose ``in_backward`` says whether held parameters are in use; at lazy init)
         self.held = False
-        self.backward_active: Callable[[], bool] = lambda: False
+        self._root: RootContext | None = None
         self.custom_all_gather = None
         self.custom_reduce_scatter = None
         #: the plugin's ``hyperfsdp_transport`` for this unit, asked at lazy init
@@ -99,10 +100,9 @@ class UnitParams:
         }
     )
 
-    def track_backward(self, active: Callable[[], bool]) -> None:
-        """``active()``: whether the unit's root is in a backward now (held parameters in
-        use; see ``held``)."""
-        self.backward_active = active
+    def join_root(self, root: RootContext) -> None:
+        """The unit's root (its backwards: held parameters in use, see ``held``)."""
+        self._root = root
 
     def configure(self, **changes) -> None:
         """Change unit-level settings (:data:`SETTINGS`) and apply them to every bucket."""
@@ -210,7 +210,7 @@ class UnitParams:
         self.reshard()
 
     def in_backward(self) -> bool:
-        return self.backward_active()
+        return self._root is not None and self._root.in_backward
 
     @property
     def has_pending(self) -> bool:
