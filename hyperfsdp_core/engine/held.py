@@ -35,6 +35,13 @@ from typing import Any, Protocol
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 
+class Root(Protocol):
+    """A holder's root (``RootContext``): whether its backward runs."""
+
+    @property
+    def in_backward(self) -> bool: ...
+
+
 class Holdable(Protocol):
     def held_param_ids(self) -> set[int]: ...
 

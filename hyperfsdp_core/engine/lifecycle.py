@@ -15,15 +15,19 @@ from __future__ import annotations
 import enum
 
 
-class TrainingState(enum.Enum):
+class _State(enum.Enum):
+    """A state of one of the machines below; prints as its value."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class TrainingState(_State):
     IDLE = "IDLE"
     PRE_FORWARD = "PRE_FORWARD"
     FORWARD = "FORWARD"
     PRE_BACKWARD = "PRE_BACKWARD"
     BACKWARD = "BACKWARD"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 S = TrainingState
@@ -66,7 +70,7 @@ TRANSITIONS: dict[str, dict[TrainingState, TrainingState]] = {
 # to IDLE from whatever state it finds (``UnitState.end_unit``).
 
 
-class BucketState(enum.Enum):
+class BucketState(_State):
     """Which parameters a bucket has registered, and what it holds (``engine/bucket.py``)."""
 
     #: the sharded DTensors; only the sharded storage is held
@@ -80,9 +84,6 @@ class BucketState(enum.Enum):
     GATHERING_FROM_POST_FORWARD = "gathering_from_post_forward"
     #: the unsharded parameters registered, their memory held
     UNSHARDED = "unsharded"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 B = BucketState
@@ -102,7 +103,7 @@ BUCKET_TRANSITIONS: dict[str, dict[BucketState, BucketState]] = {
 }
 
 
-class BackwardState(enum.Enum):
+class BackwardState(_State):
     """Where a root stands with its backwards (``RootContext.backward``), including a graph
     a ``create_graph=True`` backward built, which saved the units' unsharded parameters."""
 
@@ -116,9 +117,6 @@ class BackwardState(enum.Enum):
     GRAPH_HELD = "graph_held"
     #: a backward through that graph runs, building none: it consumes the graph
     CONSUMING_GRAPH = "consuming_graph"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 G = BackwardState

@@ -244,52 +244,74 @@ def reduce_plan(bucket: Bucket) -> ReducePlan:
 
 
 def reduce_bucket(bucket: Bucket, comm: Comm, *, include_unused: bool) -> Reduction | None:
-    """Reduce-scatter the members' unsharded gradients (divided as FSDP2 divides them)."""
+    """Reduce-scatter the members' unsharded gradients (divided as FSDP2 divides them);
+    ``None`` when no member requires grad, or none received a gradient (unless
+    ``include_unused``: then the missing ones reduce as zeros)."""
     plan = reduce_plan(bucket)
-    members, total = plan.members, plan.total
-    if not members:
+    if not plan.members:
         return None
-    grads = [p.take_unsharded_grad() for p in members]
+    grads = [p.take_unsharded_grad() for p in plan.members]
     present = [g is not None for g in grads]
-    if not any(present) and not include_unused:
-        return None
     if include_unused:
-        present = [True] * len(members)
-    before = plan.divisors.before
-    world, rdtype = bucket.world, bucket.reduce_dtype
-    g0 = grads[0]
-    if world == 1:  # nothing to reduce-scatter: the local gradient is the shard's
-        if len(members) == 1 and g0 is not None and g0.dtype == rdtype and g0.is_contiguous():
-            output = g0.view(-1)  # ours: taken from the unsharded parameter
-        else:
-            output = torch.empty(total, dtype=rdtype, device=bucket.compute_device)
-            plan.pack(output.view(1, total), grads)
-        if before is not None:
-            output.div_(before)
-        return Reduction(bucket, output, READY, None, plan, present)
-    transport = bucket.settings.transport
-    allocates = transport is not None and transport.allocator("reduce") is not None
-    first = plan.plans[0]
-    direct = (
-        not allocates
-        and len(members) == 1
+        present = [True] * len(grads)
+    elif not any(present):
+        return None
+    if bucket.world == 1:  # nothing to reduce-scatter: the local gradient is the shard's
+        output, handle, recycle = _local_output(bucket, plan, grads), READY, None
+    else:
+        output, handle, recycle = _reduce_scatter(bucket, plan, grads, comm)
+    return Reduction(bucket, output, handle, recycle, plan, present)
+
+
+def _local_output(bucket: Bucket, plan: ReducePlan, grads: list) -> torch.Tensor:
+    """World 1: the members' gradients as the output (divided as FSDP2 divides)."""
+    g0, rdtype = grads[0], bucket.reduce_dtype
+    if len(grads) == 1 and g0 is not None and g0.dtype == rdtype and g0.is_contiguous():
+        output = g0.view(-1)  # ours: taken from the unsharded parameter
+    else:
+        output = torch.empty(plan.total, dtype=rdtype, device=bucket.compute_device)
+        plan.pack(output.view(1, plan.total), grads)
+    if plan.divisors.before is not None:
+        output.div_(plan.divisors.before)
+    return output
+
+
+def _reduce_input(
+    bucket: Bucket, plan: ReducePlan, grads: list, comm: Comm
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The reduce-scatter input, pre-divided, and the pool buffer it is (None: not one):
+    one even member's gradient as it is, else the members' gradients packed rank-major."""
+    world, rdtype, transport = bucket.world, bucket.reduce_dtype, bucket.settings.transport
+    g0, first = grads[0], plan.plans[0]
+    if (
+        len(grads) == 1
         and g0 is not None
         and first.dim == 0
         and first.rows == world * first.chunk
         and g0.dtype == rdtype
         and g0.is_contiguous()
-    )
-    if direct:  # one even member: its gradient is the reduce-scatter input as it is
+        and (transport is None or transport.allocator("reduce") is None)
+    ):
         pack, recycle = g0.view(-1), None
     else:
-        pack = recycle = comm.buffer(world * total, rdtype, "reduce", transport)
-        plan.pack(pack.view(world, total), grads)
-        # the gradients are in the pack: free them before the output is allocated, so it
-        # can take their memory (and the two are never held together)
-        grads = g0 = None
-    if before is not None:
-        pack.div_(before)
-    output = torch.empty(total, dtype=rdtype, device=bucket.compute_device)
+        pack = recycle = comm.buffer(world * plan.total, rdtype, "reduce", transport)
+        plan.pack(pack.view(world, plan.total), grads)
+        # the gradients are in the pack: the list (the caller's) lets them go before the
+        # output is allocated, so it can take their memory (the two are never held together)
+        grads.clear()
+    if plan.divisors.before is not None:
+        pack.div_(plan.divisors.before)
+    return pack, recycle
+
+
+def _reduce_scatter(
+    bucket: Bucket, plan: ReducePlan, grads: list, comm: Comm
+) -> tuple[torch.Tensor, Handle, torch.Tensor | None]:
+    """Issue the reduce-scatter; the output, its handle and the pool buffer to recycle once
+    it is done (None: nothing to recycle, or already recycled)."""
+    pack, recycle = _reduce_input(bucket, plan, grads, comm)
+    output = torch.empty(plan.total, dtype=bucket.reduce_dtype, device=bucket.compute_device)
+    transport = bucket.settings.transport
     group = bucket.reduce_group or bucket.mesh_info.shard_group
     # the pack is ours (a pool buffer, or the gradient taken from the unsharded parameter):
     # on gloo the reduction runs in place on it
@@ -304,10 +326,9 @@ def reduce_bucket(bucket: Bucket, comm: Comm, *, include_unused: bool) -> Reduct
     )
     if handle.done:  # it ran in line (shared memory): the pack is free now
         comm.recycle(recycle, "reduce", transport)
-        return Reduction(bucket, output, handle, None, plan, present)
-    if allocates:  # the transport's comm object owns its buffers: never pooled
-        recycle = None
-    red = Reduction(bucket, output, handle, recycle, plan, present)
+        return output, handle, None
+    if transport is not None and transport.allocator("reduce") is not None:
+        recycle = None  # the transport's comm object owns its buffers: never pooled
     if recycle is None:
         handle.keep_alive(pack)
-    return red
+    return output, handle, recycle

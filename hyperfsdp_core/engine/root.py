@@ -9,18 +9,22 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from torch import nn
 
 from .._torch_private import queue_end_of_backward_callback, tree_map
 from ..comm import Comm, PluginComm
 from .lifecycle import BACKWARD_TRANSITIONS, BackwardState
-from .port import RootHooks
+from .options import UnitOptions
+from .port import PluginPort, RootHooks
 from .stash import Stash
 
 if TYPE_CHECKING:
     from .reduction import Reduction
+    from .unit_params import UnitParams
 
 #: Set to a non-empty value to log every unit's state transitions (logger below, INFO).
 LOG_TRANSITIONS_ENV = "HYPERFSDP_LOG_TRANSITIONS"
@@ -29,9 +33,35 @@ transition_logger = logging.getLogger("hyperfsdp_core.transitions")
 #: Settings of the whole tree of units under a root (``UnitState.set_tree_setting``).
 TREE_SETTINGS = ("is_last_backward", "post_optim_event")
 
-#: A unit of a root: an ``engine.state.UnitState``, a module above this one and the ones
-#: that handle units for it (``drain``, ``lazy_init``), so named here without importing it.
-Unit = Any
+
+class Unit(Protocol):
+    """A unit of a root, as the root and the modules that handle units for it (``drain``,
+    ``lazy_init``) use it: ``engine.state.UnitState``, which imports them."""
+
+    fqn: str
+    device: torch.device
+    modules: tuple[nn.Module, ...]
+    group: UnitParams | None
+    port: PluginPort
+    view: Any
+    comm: Comm | None
+    ctx: RootContext | None
+    options: UnitOptions
+    reducers: tuple[Callable, ...]
+    post_forward_indices: list[int]
+    is_last_backward: bool
+    post_optim_event: Any
+    root_post_backward_hook: Callable[[], None]
+
+    def use_comm(self, comm: Comm) -> None: ...
+    def adopt_registered_params(self, param_fqns: dict[int, str]) -> None: ...
+    def join_root(self, ctx: RootContext, fqn: str) -> None: ...
+    def prepare_for_root(self) -> None: ...
+    def post_backward(self, force: bool = False) -> None: ...
+    def end_unit(self, keep_unsharded: bool = False) -> None: ...
+    def log(self, event: str) -> None: ...
+    def set_options(self, **changes: Any) -> None: ...
+    def restore_options(self, options: UnitOptions) -> None: ...
 
 
 class RootContext:

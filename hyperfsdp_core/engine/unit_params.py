@@ -26,7 +26,6 @@ from .reduction import Reduction, reduce_bucket
 
 if TYPE_CHECKING:
     from .records import ShardedStorage
-    from .root import RootContext
 
 
 class UnitParams:
@@ -55,7 +54,7 @@ class UnitParams:
         # unsharded memory held past the unit's hooks (see ``hold``), and the unit's root
         # (whose ``in_backward`` says whether held parameters are in use; at lazy init)
         self.held = False
-        self._root: RootContext | None = None
+        self._root: _held.Root | None = None
         self.custom_all_gather = None
         self.custom_reduce_scatter = None
         #: the plugin's ``hyperfsdp_transport`` for this unit, asked at lazy init
@@ -100,7 +99,7 @@ class UnitParams:
         }
     )
 
-    def join_root(self, root: RootContext) -> None:
+    def join_root(self, root: _held.Root) -> None:
         """The unit's root (its backwards: held parameters in use, see ``held``)."""
         self._root = root
 
