@@ -181,7 +181,7 @@ class FlatPayload:
         if route != "native":
             # gloo: straight into the param-major unsharded buffer (no staging, no copy-out)
             self._alloc_unsharded()
-            views = self._views()
+            views = self._route_views()
             if views.rows is None:
                 route = "in_place"
             fill_own = views.fill_own if route == "rows" else views.fill_all
@@ -205,7 +205,7 @@ class FlatPayload:
             prepare = partial(fill, self.sharded_flat, own)
         return b.gather(comm, route, out, own=own, prepare=prepare, ordered=fresh)
 
-    def _views(self) -> GatherViews:
+    def _route_views(self) -> GatherViews:
         views = self._gather_views
         if views is None:
             b = self.bucket
