@@ -217,3 +217,12 @@ def test_documented_plugins_output_is_the_real_output(doc, monkeypatch, capsys):
     assert main(["plugins"]) == 0
     real = capsys.readouterr().out.splitlines()
     assert _console_output(doc) == real, "paste the output of a real `hyperfsdp plugins` run"
+
+
+def test_the_plugin_guides_pyproject_is_the_examples_whole_file():
+    """docs/plugins.md shows examples/commlog/pyproject.toml as it is (build system and
+    package configuration included): a plugin author can copy it and build."""
+    text = (ROOT / "docs" / "plugins.md").read_text()
+    block = re.search(r"```toml\n# examples/commlog/pyproject.toml\n(.*?)```", text, re.DOTALL)
+    assert block is not None
+    assert block.group(1) == (ROOT / "examples" / "commlog" / "pyproject.toml").read_text()

@@ -35,15 +35,22 @@ VOCAB = 32
 TIMEOUT = 180
 
 
-def doc_transport() -> types.ModuleType:
-    """The transport plugin of docs/plugins.md, executed from the doc."""
+def doc_block(title: str) -> types.ModuleType:
+    """The code block under ``### <title>`` in docs/plugins.md's "6. A transport", executed
+    as a module (the plugin it defines)."""
     text = (ROOT / "docs" / "plugins.md").read_text()
     section = text.split("## 6. A transport", 1)[1].split("\n## ", 1)[0]
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", section, re.DOTALL) if "hookimpl" in b]
-    assert len(blocks) == 1, "docs/plugins.md: the transport example is missing"
-    module = types.ModuleType("doc_transport")
-    exec(compile(blocks[0], "<docs/plugins.md: transport>", "exec"), module.__dict__)
+    part = section.split(f"### {title}\n", 1)[1].split("\n### ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", part, re.DOTALL)
+    assert len(blocks) == 1, f"docs/plugins.md: the example {title!r} is missing"
+    module = types.ModuleType(title)
+    exec(compile(blocks[0], f"<docs/plugins.md: {title}>", "exec"), module.__dict__)
     return module
+
+
+def doc_transport() -> types.ModuleType:
+    """The byte-counting transport plugin of docs/plugins.md."""
+    return doc_block("Example: counting the bytes each unit moves")
 
 
 def build() -> Transformer:
@@ -114,6 +121,13 @@ def rank_fsdp2_on_the_same_comms():
         unit = types.SimpleNamespace(fqn=name)
         module.set_custom_all_gather(plugin.CountingAllGather(unit))
         module.set_custom_reduce_scatter(plugin.CountingReduceScatter(unit))
+    losses = train_steps(model)
+    return dict(plugin.BYTES), losses
+
+
+def train_steps(model) -> list[float]:
+    """Train the sharded ``model`` STEPS steps on the global batch; the losses averaged over
+    the ranks."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     losses = []
     for step in range(STEPS):
@@ -122,10 +136,10 @@ def rank_fsdp2_on_the_same_comms():
         loss.backward()
         opt.step()
         opt.zero_grad()
-        avg = loss.detach().clone()
+        avg = loss.detach().float().clone()
         dist.all_reduce(avg)
         losses.append(avg.item() / dist.get_world_size())
-    return dict(plugin.BYTES), losses
+    return losses
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -231,3 +245,146 @@ def test_custom_comm_takes_precedence_over_the_plugin_transport(run_ranks):
         assert ("layers.1", "all_gather") not in counted
         assert counted[("layers.1", "reduce_scatter")] > 0
         assert counted[("layers.0", "all_gather")] > 0
+
+
+# -- bf16 on the wire (the second example of docs/plugins.md) ---------------------------------
+
+
+def doc_bf16() -> types.ModuleType:
+    return doc_block("Example: bf16 on the wire")
+
+
+def train_observed(plugin, *, mp: bool = False) -> tuple[list[float], list]:
+    """Train the sharded model STEPS steps (``plugin`` registered unless None); the losses
+    (averaged over ranks) and every collective event the observers saw."""
+    from contextlib import nullcontext
+
+    from hyperfsdp_core import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(torch.bfloat16, torch.bfloat16) if mp else MixedPrecisionPolicy()
+    recorder = Recorder()
+    transport = registered(plugin, "bf16_wire") if plugin is not None else nullcontext()
+    with registered(recorder, "recorder"), transport:
+        torch.manual_seed(0)
+        model = build()
+        for block in model.layers:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        losses = train_steps(model)
+    return losses, recorder.events
+
+
+def rank_bf16_wire():
+    plugin = doc_bf16()
+    wire_losses, wire_events = train_observed(plugin)
+    losses, events = train_observed(None)
+    # registered, but every collective is bf16 already (mixed precision): passed on as it is
+    mp_wire_losses, mp_wire_events = train_observed(plugin, mp=True)
+    mp_losses, _ = train_observed(None, mp=True)
+    return wire_losses, wire_events, losses, events, mp_wire_losses, mp_wire_events, mp_losses
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_bf16_transport_from_the_docs_halves_the_wire_bytes(run_ranks, world):
+    """The doc's bf16 transport: the observers see every fp32 all-gather and reduce-scatter
+    twice as large as what went on the wire (bf16), the losses stay within 8e-4 relative of
+    fp32 collectives, and collectives that are bf16 already pass unchanged (same bits)."""
+    for out in run_ranks(world, rank_bf16_wire, timeout=TIMEOUT):
+        wire_losses, wire_events, losses, events, mp_wire_losses, mp_wire_events, mp_losses = out
+        kinds = collections.Counter(e.kind for e in wire_events)
+        assert kinds["all_gather"] > 0 and kinds["reduce_scatter"] > 0
+        # the same collectives (in another order: the default CPU transport, hyperfsdp-shm,
+        # gathers in line and is not prefetched)
+        assert sorted((e.kind, e.unit, e.nbytes) for e in wire_events) == sorted(
+            (e.kind, e.unit, e.nbytes) for e in events
+        )
+        for e in wire_events:
+            assert e.dtype == torch.float32 and e.wire_dtype == torch.bfloat16
+            assert 2 * e.wire_nbytes == e.nbytes
+        for e in events + mp_wire_events:  # nothing reported: the wire is the logical one
+            assert (e.wire_nbytes, e.wire_dtype) == (e.nbytes, e.dtype)
+        assert {e.dtype for e in mp_wire_events} == {torch.bfloat16}
+        torch.testing.assert_close(wire_losses, losses, rtol=8e-4, atol=0)
+        assert wire_losses != losses  # the wire did round
+        assert mp_wire_losses == mp_losses
+
+
+def test_report_wire_is_seen_only_inside_a_collective():
+    from hyperfsdp_core.comm.records import observed_event, wire_reports
+    from hyperfsdp_core.plugin import report_wire
+
+    report_wire(torch.zeros(3))  # outside a collective: nothing to tell, nothing raised
+    fp32 = torch.zeros(8)
+    with wire_reports() as outer:
+        report_wire(torch.zeros(8, dtype=torch.bfloat16))
+        with wire_reports() as inner:
+            report_wire(torch.zeros(2, dtype=torch.int8), torch.zeros(2, dtype=torch.bfloat16))
+        report_wire(torch.zeros(4, dtype=torch.bfloat16))
+    event = observed_event(("all_gather", "layers.0", fp32, None), 2, outer)
+    assert (event.nbytes, event.dtype, event.unit) == (32, torch.float32, "layers.0")
+    assert (event.wire_nbytes, event.wire_dtype) == (24, torch.bfloat16)
+    mixed = observed_event(("reduce_scatter", "", fp32, None), 2, inner)
+    assert (mixed.wire_nbytes, mixed.wire_dtype) == (6, None)
+    plain = observed_event(("all_reduce", None, fp32, None), 2, [])
+    assert (plain.wire_nbytes, plain.wire_dtype) == (32, torch.float32)
+
+
+class WaitedWork:
+    """A work object a transport returns even where the core passes ``async_op=False``;
+    records the stream current at each ``wait()``."""
+
+    waits: list[str] = []
+
+    def __init__(self, work, sim) -> None:
+        self.work, self.sim = work, sim
+
+    def wait(self) -> None:
+        WaitedWork.waits.append(self.sim.current_stream().name)
+        self.work.wait()
+
+
+def rank_bf16_wire_on_an_accelerator():
+    """The doc's bf16 transport on the accelerator code path (streams simulated on CPU), and
+    a transport that always returns work: the core waits for it once per collective, on the
+    communication stream that issued it."""
+    from hyperfsdp_core.testing.streams import simulated_accelerator
+
+    plugin = doc_bf16()
+    with simulated_accelerator() as sim:
+        wire_losses, wire_events = train_observed(plugin)
+    bf16_violations = list(sim.violations)
+
+    class ReturnsWork(Transport):
+        def all_gather(self, output, input, group, async_op):
+            return WaitedWork(plugin.all_gather(output, input, group=group, async_op=True), sim)
+
+        def reduce_scatter(self, output, input, group, op, async_op, *, scratch_input=False):
+            work = plugin.reduce_scatter(output, input, op=op, group=group, async_op=True)
+            return WaitedWork(work, sim)
+
+    returns_work = types.SimpleNamespace(hyperfsdp_transport=hookimpl(lambda unit: ReturnsWork()))
+    WaitedWork.waits = []
+    with simulated_accelerator() as sim:
+        losses, events = train_observed(returns_work)
+    return (
+        bf16_violations,
+        wire_losses,
+        wire_events,
+        sim.violations,
+        losses,
+        events,
+        WaitedWork.waits,
+    )
+
+
+def test_the_contract_on_the_accelerator_path(run_ranks):
+    for out in run_ranks(2, rank_bf16_wire_on_an_accelerator, timeout=TIMEOUT):
+        bf16_violations, wire_losses, wire_events, violations, losses, events, waits = out
+        assert bf16_violations == [] and violations == []
+        assert all(2 * e.wire_nbytes == e.nbytes for e in wire_events)
+        torch.testing.assert_close(wire_losses, losses, rtol=8e-4, atol=0)
+        kinds = collections.Counter(e.kind for e in events)
+        assert collections.Counter(waits) == {
+            "all_gather": kinds["all_gather"],
+            "reduce": kinds["reduce_scatter"],
+        }

@@ -6,7 +6,7 @@ plugin supplies through ``hyperfsdp_transport``); :class:`Comm` issues them with
 :class:`Handle` objects, accelerator streams and events, and pooled buffers;
 :class:`PluginComm` is the facade plugins use. Other layers import from this package.
 
-Modules, lowest first: ``records`` (:class:`CollectiveEvent`), ``transport`` (the seam),
+Modules, lowest first: ``records`` (:class:`CollectiveEvent`, :func:`report_wire`), ``transport`` (the seam),
 ``handles`` (pending collectives), ``pools`` (CPU buffer and storage pools), ``comm``
 (:class:`Comm`, issuing), ``plugin_comm`` (:class:`PluginComm`, :data:`Work`), ``exit``
 (draining collectives at interpreter exit).
@@ -16,7 +16,7 @@ from .comm import Comm
 from .handles import READY, Handle
 from .plugin_comm import PluginComm, Work
 from .pools import StoragePool
-from .records import CollectiveEvent
+from .records import CollectiveEvent, report_wire
 from .transport import Transport, compose_transport
 
 __all__ = [
@@ -29,4 +29,5 @@ __all__ = [
     "Transport",
     "Work",
     "compose_transport",
+    "report_wire",
 ]

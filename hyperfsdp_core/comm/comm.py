@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from functools import partial
 
 import attrs
 import torch
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from .._torch_private import STORAGE_MEMORY_SWAPPABLE
 from .handles import Handle, describe_failure
 from .pools import BufferPool, StoragePool
-from .records import CollectiveEvent
+from .records import CollectiveEvent, observed_event, wire_reports
 from .transport import Transport
 
 _broadcast = dist.broadcast
@@ -74,9 +75,7 @@ class Comm:
             {"gather": BufferPool(device), "reduce": BufferPool(device)} if self.is_cpu else None
         )
         #: parked memory of resharded unsharded buffers (CPU, where torch can swap it)
-        self.storage_pool = (
-            StoragePool() if self.is_cpu and STORAGE_MEMORY_SWAPPABLE else None
-        )
+        self.storage_pool = StoragePool() if self.is_cpu and STORAGE_MEMORY_SWAPPABLE else None
         #: what carries collectives that no unit transport (``hyperfsdp_transport``,
         #: ``set_custom_*``) takes: torch.distributed's own
         self.transport: Transport = Transport()
@@ -265,8 +264,6 @@ class Comm:
     def _count_gather(self, buffer: torch.Tensor, group, unit) -> None:
         self.stats.all_gathers += 1
         self.stats.all_gather_bytes += buffer.numel() * buffer.element_size()
-        if self.observers:
-            self._observe("all_gather", group, buffer, unit)
 
     def _route(self, transport: Transport | None) -> Transport:
         """The transport a collective runs on: the unit's, else the root's default."""
@@ -296,8 +293,6 @@ class Comm:
         up (it may be overwritten): a transport may reduce in place on it."""
         self.stats.reduce_scatters += 1
         self.stats.reduce_scatter_bytes += inp.numel() * inp.element_size()
-        if self.observers:
-            self._observe("reduce_scatter", group, inp, unit)
         t = self._route(transport)
         call = lambda: t.reduce_scatter(  # noqa: E731
             out, inp, group, op, self.is_cpu, scratch_input=scratch_input
@@ -310,8 +305,6 @@ class Comm:
     ) -> Handle:
         self.stats.all_reduces += 1
         self.stats.all_reduce_bytes += tensor.numel() * tensor.element_size()
-        if self.observers:
-            self._observe("all_reduce", group, tensor, unit)
         t = self._route(transport)
         call = lambda: t.all_reduce(tensor, group, op, self.is_cpu)  # noqa: E731
         return self._issue(
@@ -319,29 +312,30 @@ class Comm:
         )
 
     def broadcast(self, tensor: torch.Tensor, src: int, group, *, unit=None) -> Handle:
-        if self.observers:
-            self._observe("broadcast", group, tensor, unit)
         call = lambda: _broadcast(tensor, group_src=src, group=group, async_op=self.is_cpu)  # noqa: E731
         return self._issue(
             self.reduce_stream, call, (tensor,), what=("broadcast", unit, tensor, group)
         )
 
-    def _observe(self, kind: str, group, tensor: torch.Tensor, unit) -> None:
-        event = CollectiveEvent(
-            kind,
-            dist.get_world_size(group),
-            tensor.numel() * tensor.element_size(),
-            tensor.dtype,
-            unit,
-        )
+    def _observed(self, call, what):
+        """Run ``call`` (a transport's collective) and tell the observers what it issued,
+        with what the transport reported putting on the wire (:func:`report_wire`)."""
+        with wire_reports() as reported:
+            work = call()
+        event = observed_event(what, dist.get_world_size(what[3]), reported)
         for observer in self.observers:
             observer(event)
+        return work
 
     def _issue(self, stream, call, keepalive, prepare=None, wait: bool = True, what=None) -> Handle:
         """Run one collective: async on CPU (a work handle, or none if it finished in
         place), on ``stream`` on accelerators, ordered after the work queued on the
         current stream unless ``wait`` is false. ``what`` (kind, unit, tensor, group)
-        names the collective in the note a failure gets (:func:`describe_failure`)."""
+        names the collective in the note a failure gets (:func:`describe_failure`) and in
+        the observers' event. On accelerators a transport is called with ``async_op=False``
+        on ``stream``; a work object it returns anyway is waited for there and then."""
+        if self.observers:
+            call = partial(self._observed, call, what)
         try:
             if self.is_cpu:
                 if prepare is not None:
@@ -355,7 +349,9 @@ class Comm:
             with self._module.stream(stream):
                 if prepare is not None:
                     prepare()
-                call()
+                work = call()
+                if work is not None:
+                    work.wait()
                 event = stream.record_event()
         except Exception as e:
             describe_failure(e, what)

@@ -23,13 +23,14 @@ refuses to load it on a mismatch.
 - Communication: :class:`PluginComm` (``root.comm``) issues async collectives and
   returns :class:`Work`; observers receive :class:`CollectiveEvent`. :class:`Transport`
   (returned by the ``hyperfsdp_transport`` hook) carries a unit's collectives, built from
-  FSDP2's ``AllGather``/``ReduceScatter`` comm objects.
+  FSDP2's ``AllGather``/``ReduceScatter`` comm objects; a transport tells the observers
+  what it puts on the wire with :func:`report_wire`.
 - Gradients: reducers receive :class:`Reduction` objects (``params``, ``output``,
   ``grad_of()``, ``defer()``/``release()``, ``consume()``, ``key``, ``unit``,
   ``all_reduce_divisor``).
 """
 
-from ..comm import CollectiveEvent, PluginComm, Transport, Work
+from ..comm import CollectiveEvent, PluginComm, Transport, Work, report_wire
 from ..engine.mesh_info import (
     MeshInfo,
     ProcessGroupCache,
@@ -79,6 +80,7 @@ __all__ = [
     "hsdp_mesh_info",
     "mesh_device",
     "placements_for",
+    "report_wire",
     "supports_api",
     "unit_of",
 ]

@@ -284,8 +284,11 @@ def hyperfsdp_collective_observer(root: RootView) -> Callable[[CollectiveEvent],
     """*lazy-init* An observer called for every collective the root's communication issues.
 
     Called once per root at its lazy init. The observer is called synchronously, on
-    the training thread, as each collective is issued (all-gathers, reduce-scatters,
-    plugins' collectives through ``root.comm``); keep it cheap.
+    the thread that issues each collective, right after its transport issued it
+    (all-gathers, reduce-scatters, plugins' collectives through ``root.comm``); keep it
+    cheap. The event shows the logical collective (``nbytes``, ``dtype``) and what the
+    transport put on the wire (``wire_nbytes``, ``wire_dtype``; see
+    :func:`~hyperfsdp_core.plugin.report_wire`).
 
     :param root: the root.
     :returns: ``observer(event)`` taking a :class:`~hyperfsdp_core.plugin.CollectiveEvent`,

@@ -98,15 +98,18 @@ class CollectiveCounter:
 class ObservedBytes:
     """A plugin (register it with :func:`hyperfsdp_core.testing.registered`) whose
     collective observer sums the bytes of the collectives the core issues, by
-    ``CollectiveEvent.kind`` (``bytes["all_gather"]``...): the logical collectives."""
+    ``CollectiveEvent.kind`` (``bytes["all_gather"]``...): the logical collectives in
+    ``bytes``, what their transports reported putting on the wire in ``wire_bytes``."""
 
     def __init__(self) -> None:
         self.bytes: collections.Counter = collections.Counter()
+        self.wire_bytes: collections.Counter = collections.Counter()
 
     @hookimpl
     def hyperfsdp_collective_observer(self, root):
         def observe(event):
             self.bytes[event.kind] += event.nbytes
+            self.wire_bytes[event.kind] += event.wire_nbytes
 
         return observe
 

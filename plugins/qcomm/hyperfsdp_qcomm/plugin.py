@@ -26,12 +26,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hyperfsdp_core.plugin import Transport, hookimpl
+from hyperfsdp_core.plugin import Transport, hookimpl, report_wire
 
 from . import WIRE_BYTES, QCommPolicy, policy_of
 from ._quant import dequantize_rows, packed_size, quantize_rows
 
-HYPERFSDP_API = ">=1.0,<2"
+HYPERFSDP_API = ">=1.1,<2"  # report_wire
 
 _SUM = dist.ReduceOp.SUM
 _AVG = dist.ReduceOp.AVG
@@ -116,6 +116,7 @@ class QuantizedTransport(Transport):
             recv = torch.empty(world, packed_size(n, block), dtype=torch.uint8, device=input.device)
             finish = lambda: rows_out.copy_(dequantize_rows(recv, n, block))  # noqa: E731
         WIRE_BYTES[self._keys["all_gather", mode]] += recv.numel() * recv.element_size()
+        report_wire(recv)
         work = _gather(recv.view(-1), send, group, async_op)
         return _complete(work, finish)
 
@@ -157,6 +158,7 @@ class QuantizedTransport(Transport):
             output.view(-1).copy_(total)
 
         WIRE_BYTES[self._keys["reduce_scatter", mode]] += send.numel() * send.element_size()
+        report_wire(send)
         work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
         return _complete(work, finish)
 

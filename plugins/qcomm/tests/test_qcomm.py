@@ -257,6 +257,7 @@ def rank_train(
     return {
         "losses": losses,
         "observed": dict(recorder.bytes),
+        "observed_wire": dict(recorder.wire_bytes),
         "wire": dict(wire.bytes),
         "plugin_wire": dict(plugin_wire),
         "routes": sorted({k[2] for k in hyperfsdp_qcomm.WIRE_BYTES}),
@@ -300,6 +301,8 @@ def test_training_with_qcomm(run_ranks, world, reduce_scatter):
         # bytes: the logical collectives are unchanged, the wire carries a fraction
         assert q["observed"] == e["observed"]
         assert q["wire"] == q["plugin_wire"]  # the plugin's own counter is right
+        assert q["observed_wire"] == q["wire"]  # and the observers see it (report_wire)
+        assert e["observed_wire"] == e["observed"]  # nothing reported: the logical bytes
         ag = q["wire"]["all_gather"] / e["observed"]["all_gather"]
         rs = q["wire"]["reduce_scatter"] / e["observed"]["reduce_scatter"]
         assert ag <= 0.30, ag
