@@ -13,8 +13,10 @@ import functools
 import importlib
 import types
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 # the base class of the test harness's stream simulator (testing/streams.py): how a mode
@@ -34,6 +36,7 @@ __all__ = [
     "expose_fsdp2_state",
     "foreach_copy_",
     "foreach_zero_",
+    "group_timeout",
     "queue_end_of_backward_callback",
     "storage_id",
     "swap_storage_memory",
@@ -147,6 +150,27 @@ def swap_storage_memory(a: torch.UntypedStorage, b: torch.UntypedStorage) -> Non
     does. PyTorch has no public call to move memory between storages.
     """
     a._swap_data_ptr_(b)  # type: ignore[attr-defined]
+
+
+def group_timeout(group: dist.ProcessGroup | None) -> timedelta:
+    """The timeout ``group`` (``None``: the default group) was created with
+    (``init_process_group(timeout=)`` or ``new_group(timeout=)``), or torch's default
+    (``torch.distributed.default_pg_timeout``) where it cannot be read.
+
+    Public to plugins as ``hyperfsdp_core.plugin.group_timeout``, for those that bound
+    their own waits by the job's process-group timeout (the shm plugin's collectives, the
+    dcp plugin's checkpoint waits). torch has no public getter: the timeout is readable
+    only through the options of the group's CPU backend.
+    """
+    try:
+        if group is None:
+            group = dist.group.WORLD
+        timeout = group._get_backend(torch.device("cpu")).options._timeout  # type: ignore[union-attr]
+        if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
+            return timeout
+    except (AttributeError, RuntimeError, TypeError):
+        pass
+    return dist.default_pg_timeout
 
 
 #: torch's public FSDP2 names (the FSDP2 part of ``torch.distributed.fsdp.__all__``).

@@ -1,11 +1,15 @@
 """The built-in plugins stand on the public plugin API, and what they needed from it works for
 any plugin: ``RootView.drain_reductions()`` (the core's drain phase) and ``placements_for``
-(the core's default parameter layout). ``tests/test_public_api.py`` checks their imports."""
+(the core's default parameter layout); so does ``group_timeout``, which the shm and dcp plugins
+need. ``tests/test_public_api.py`` checks their imports."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
@@ -15,11 +19,12 @@ from hyperfsdp_core.plugin import (
     Phase,
     build_plugin_manager,
     ddp_mesh_info,
+    group_timeout,
     hookimpl,
     placements_for,
     unit_of,
 )
-from hyperfsdp_core.testing import registered
+from hyperfsdp_core.testing import DEFAULT_TIMEOUT, registered
 from hyperfsdp_core.testing.reference import MLPStack, mlp_batch, mse_loss, train_parity
 
 TIMEOUT = 120
@@ -146,3 +151,20 @@ def test_placements_for_is_the_core_default_layout(run_ranks):
                 shard_dim = 1 if fqn.endswith("weight") else 0  # shard_placement_fn's last dim
                 assert actual == default == (*expected, Shard(shard_dim)), (kind, fqn)
         assert results["ddp"] == (Replicate(),)
+
+
+# -- group_timeout ------------------------------------------------------------------------------------
+
+
+def rank_group_timeouts() -> list[float]:
+    world = dist.group.WORLD
+    group = dist.new_group(timeout=timedelta(seconds=77))
+    unreadable = object()  # not a process group: torch's default
+    return [group_timeout(g).total_seconds() for g in (None, world, group, unreadable)]
+
+
+def test_group_timeout_is_the_timeout_a_group_was_created_with(run_ranks):
+    # the harness creates the default group with DEFAULT_TIMEOUT
+    default = dist.default_pg_timeout.total_seconds()
+    expected = [DEFAULT_TIMEOUT, DEFAULT_TIMEOUT, 77.0, default]
+    assert run_ranks(2, rank_group_timeouts, timeout=TIMEOUT) == [expected] * 2

@@ -7,7 +7,7 @@ import tempfile
 import time
 from multiprocessing import connection
 
-import torch.multiprocessing as mp
+from hyperfsdp_core.testing import spawn_ranks
 
 from .worker import worker_main
 
@@ -31,21 +31,12 @@ class RankPool:
         self.world = world
         self._tmp = tempfile.TemporaryDirectory(prefix=f"hyperfsdp-bench-{impl}-")
         store = os.path.join(self._tmp.name, "store")
-        ctx = mp.get_context("spawn")
-        self.conns = []
-        self.procs = []
-        for rank in range(world):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(
-                target=worker_main,
-                args=(impl, rank, world, store, threads, distributed, child),
-                daemon=True,
-                name=f"bench-{impl}-r{rank}",
-            )
-            proc.start()
-            child.close()
-            self.conns.append(parent)
-            self.procs.append(proc)
+        self.conns, self.procs = spawn_ranks(
+            world,
+            worker_main,
+            lambda rank, conn: (impl, rank, world, store, threads, distributed, conn),
+            lambda rank: f"bench-{impl}-r{rank}",
+        )
         self.ready = False
         self.broken: str | None = None
 

@@ -6,10 +6,9 @@ import math
 
 import attrs
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from hyperfsdp_core.testing.reference import RMSNorm
+from hyperfsdp_core.testing import reference
 
 
 @attrs.frozen
@@ -32,59 +31,22 @@ class ModelConfig:
         return {**attrs.asdict(self), "n_params": self.n_params}
 
 
-class Attention(nn.Module):
+class Transformer(reference.Transformer):
+    """``hyperfsdp_core.testing.reference.Transformer`` with separate q/k/v projections (as
+    ``hyperfsdp_tp.testing.parallelize`` wants), GPT-2/Llama-style init, and the loss as
+    its output."""
+
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.n_heads = cfg.n_heads
-        self.head_dim = cfg.dim // cfg.n_heads
-        self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        # heads from the projection's width: under tensor parallelism a rank has n_heads / tp
-        shape = (b, s, -1, self.head_dim)
-        q = self.wq(x).view(shape).transpose(1, 2)
-        k = self.wk(x).view(shape).transpose(1, 2)
-        v = self.wv(x).view(shape).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.hidden, bias=False)
-        self.w3 = nn.Linear(cfg.dim, cfg.hidden, bias=False)
-        self.w2 = nn.Linear(cfg.hidden, cfg.dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.attn_norm = RMSNorm(cfg.dim)
-        self.attn = Attention(cfg)
-        self.mlp_norm = RMSNorm(cfg.dim)
-        self.mlp = SwiGLU(cfg)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
-
-
-class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
+        super().__init__(
+            cfg.vocab,
+            cfg.dim,
+            cfg.n_layers,
+            cfg.n_heads,
+            cfg.hidden,
+            fused_qkv=False,
+            scaled_embedding=False,
+        )
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim)
-        self.output = nn.Linear(cfg.dim, cfg.vocab, bias=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -101,11 +63,7 @@ class Transformer(nn.Module):
                 nn.init.normal_(p, std=scale)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h)
-        logits = self.output(self.norm(h))
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return reference.lm_loss(super().forward(tokens), targets)
 
 
 def build_model(cfg: ModelConfig, seed: int) -> Transformer:

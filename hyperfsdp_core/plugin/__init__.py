@@ -17,7 +17,8 @@ refuses to load it on a mismatch.
   sharded module's unit (from a mixin's methods, say).
 - Topology: :class:`MeshInfo` and :func:`fsdp_mesh_info`, :func:`hsdp_mesh_info`,
   :func:`ddp_mesh_info`; :class:`ProcessGroupCache` for groups a plugin creates;
-  :func:`placements_for` gives the core's default placements for a topology.
+  :func:`placements_for` gives the core's default placements for a topology;
+  :func:`group_timeout` reads the timeout a process group was created with.
 - Layout and storage records returned by hooks: :class:`ParamLayout`,
   :class:`ShardedStorage`.
 - Communication: :class:`PluginComm` (``root.comm``) issues async collectives and
@@ -30,6 +31,7 @@ refuses to load it on a mismatch.
   ``all_reduce_divisor``).
 """
 
+from .._torch_private import group_timeout
 from ..comm import CollectiveEvent, PluginComm, Transport, Work, report_wire
 from ..engine.mesh_info import (
     MeshInfo,
@@ -76,6 +78,7 @@ __all__ = [
     "ddp_mesh_info",
     "fsdp_mesh_info",
     "get_plugin_manager",
+    "group_timeout",
     "hookimpl",
     "hsdp_mesh_info",
     "mesh_device",

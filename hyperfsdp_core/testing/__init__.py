@@ -2,7 +2,8 @@
 
 ``run_on_ranks(world_size, fn, *args)`` runs the module-level function ``fn`` on
 ``world_size`` CPU processes that share a gloo default process group, and returns
-each rank's return value. Processes are kept alive between calls. ``registered(plugin,
+each rank's return value. Processes are kept alive between calls; ``spawn_ranks`` starts
+such processes for a driver of its own (the benchmark suite's). ``registered(plugin,
 name)`` registers a throwaway plugin for the duration of a ``with`` block;
 ``shared_memory(enabled)`` turns the ``hyperfsdp-shm`` plugin's shared-memory collectives
 on or off for one.
@@ -22,6 +23,7 @@ from .pool import (
     close_pools,
     current_rank,
     run_on_ranks,
+    spawn_ranks,
 )
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "registered",
     "run_on_ranks",
     "shared_memory",
+    "spawn_ranks",
 ]
 
 

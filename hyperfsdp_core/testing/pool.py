@@ -13,6 +13,8 @@ import traceback
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from multiprocessing import connection, get_context
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 DEFAULT_TIMEOUT = float(os.environ.get("HYPERFSDP_TEST_TIMEOUT", "180"))
@@ -133,6 +135,31 @@ def _reset_process_state(torch) -> None:
 # -- driver side -----------------------------------------------------------------------------------
 
 
+def spawn_ranks(
+    world_size: int,
+    target: Callable[..., object],
+    args: Callable[[int, Connection], tuple],
+    name: Callable[[int], str],
+) -> tuple[list[Connection], list[BaseProcess]]:
+    """Start ``world_size`` daemon processes (``spawn``), each with a pipe to this one: rank
+    ``r``'s runs ``target(*args(r, conn))``, ``conn`` being its end of the pipe, under the
+    process name ``name(r)``. Returns this process's ends of the pipes and the processes,
+    in rank order.
+
+    The rank processes of :func:`run_on_ranks` and of the benchmark suite start so.
+    """
+    ctx = get_context("spawn")
+    conns, procs = [], []
+    for rank in range(world_size):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=target, args=args(rank, child), daemon=True, name=name(rank))
+        proc.start()
+        child.close()
+        conns.append(parent)
+        procs.append(proc)
+    return conns, procs
+
+
 def _plugin_selection() -> dict[str, str | None]:
     """The driver's plugin-selection variables, which each rank applies for the call (the
     ranks' plugin manager is rebuilt from them), as the driver's own manager would."""
@@ -146,22 +173,14 @@ class RankPool:
 
     def __init__(self, world_size: int, pg_timeout: float = DEFAULT_TIMEOUT) -> None:
         self.world_size = world_size
-        ctx = get_context("spawn")
         self._tmp = tempfile.TemporaryDirectory(prefix="hyperfsdp-pool-")
         store_path = os.path.join(self._tmp.name, "store")
-        self.conns, self.procs = [], []
-        for rank in range(world_size):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(
-                target=_worker_main,
-                args=(rank, world_size, store_path, child, pg_timeout),
-                daemon=True,
-                name=f"hyperfsdp-rank{rank}-of-{world_size}",
-            )
-            proc.start()
-            child.close()
-            self.conns.append(parent)
-            self.procs.append(proc)
+        self.conns, self.procs = spawn_ranks(
+            world_size,
+            _worker_main,
+            lambda rank, conn: (rank, world_size, store_path, conn, pg_timeout),
+            lambda rank: f"hyperfsdp-rank{rank}-of-{world_size}",
+        )
         deadline = time.monotonic() + STARTUP_TIMEOUT
         for rank, conn in enumerate(self.conns):
             if not conn.poll(max(0.0, deadline - time.monotonic())):

@@ -50,21 +50,43 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, n_heads: int) -> None:
+    """Causal self-attention without biases.
+
+    ``fused_qkv``: one ``wqkv`` projection split into ``n_heads`` heads; otherwise separate
+    ``wq``, ``wk``, ``wv`` whose head count follows from their output width, so that
+    column-wise tensor parallelism of the projections splits whole heads.
+    """
+
+    def __init__(self, dim: int, n_heads: int, fused_qkv: bool = True) -> None:
         super().__init__()
         self.n_heads = n_heads
-        self.wqkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.head_dim = dim // n_heads
+        self.fused_qkv = fused_qkv
+        if fused_qkv:
+            self.wqkv = nn.Linear(dim, 3 * dim, bias=False)
+        else:
+            self.wq = nn.Linear(dim, dim, bias=False)
+            self.wk = nn.Linear(dim, dim, bias=False)
+            self.wv = nn.Linear(dim, dim, bias=False)
         self.wo = nn.Linear(dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.wqkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).unbind(2)
-        q, k, v = (y.transpose(1, 2) for y in (q, k, v))
+        b, t, _ = x.shape
+        if self.fused_qkv:
+            qkv = self.wqkv(x).view(b, t, 3, self.n_heads, self.head_dim).unbind(2)
+            q, k, v = (y.transpose(1, 2) for y in qkv)
+        else:
+            q, k, v = (
+                w(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+                for w in (self.wq, self.wk, self.wv)
+            )
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, t, d))
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):
+    """SwiGLU: ``w2(silu(w1(x)) * w3(x))``, without biases."""
+
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)
@@ -76,10 +98,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, n_heads: int, hidden: int) -> None:
+    def __init__(self, dim: int, n_heads: int, hidden: int, fused_qkv: bool = True) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(dim)
-        self.attn = Attention(dim, n_heads)
+        self.attn = Attention(dim, n_heads, fused_qkv)
         self.mlp_norm = RMSNorm(dim)
         self.mlp = MLP(dim, hidden)
 
@@ -89,7 +111,13 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """A small Llama-like model: embedding, blocks, final norm, (optionally tied) head."""
+    """A small Llama-like model: embedding, blocks, final norm, (optionally tied) head.
+
+    The tensor-parallel plugin's test model and the benchmark's are this one with
+    ``fused_qkv=False`` (separate ``wq``, ``wk``, ``wv``, see :class:`Attention`) and
+    ``scaled_embedding=False`` (the embedding keeps ``nn.Embedding``'s N(0, 1) init instead
+    of N(0, 1/dim)); each initializes further after construction.
+    """
 
     def __init__(
         self,
@@ -99,11 +127,15 @@ class Transformer(nn.Module):
         n_heads: int = 2,
         hidden: int = 27,
         tied: bool = False,
+        *,
+        fused_qkv: bool = True,
+        scaled_embedding: bool = True,
     ) -> None:
         super().__init__()
         self.tok_embeddings = nn.Embedding(vocab, dim)
-        nn.init.normal_(self.tok_embeddings.weight, std=dim**-0.5)  # O(1) logits when tied
-        self.layers = nn.ModuleList(Block(dim, n_heads, hidden) for _ in range(n_layers))
+        if scaled_embedding:  # O(1) logits when tied
+            nn.init.normal_(self.tok_embeddings.weight, std=dim**-0.5)
+        self.layers = nn.ModuleList(Block(dim, n_heads, hidden, fused_qkv) for _ in range(n_layers))
         self.norm = RMSNorm(dim)
         self.output = nn.Linear(dim, vocab, bias=False)
         if tied:

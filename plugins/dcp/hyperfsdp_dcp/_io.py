@@ -28,10 +28,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
+from hyperfsdp_core.plugin import group_timeout
+
 from . import _checksum, _diagnose, _peers
 from ._errors import CheckpointLoadError, CheckpointSaveError
 from ._state import MODEL, OPTIM, RNG, TRAINER, TrainState, flatten, rank_key, set_rng_state
-from ._torch_private import group_timeout
 from ._validate import CheckpointMismatchError, find_mismatches
 
 __all__ = ["CheckpointLoadError", "CheckpointSaveError"]

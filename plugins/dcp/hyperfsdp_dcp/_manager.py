@@ -16,10 +16,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
+from hyperfsdp_core.plugin import group_timeout
+
 from . import _io
 from ._errors import CheckpointLoadError
 from ._state import RNG, TRAINER, TrainState, rank_key, rng_state, trainer_section
-from ._torch_private import group_timeout
 
 
 class CheckpointManager:

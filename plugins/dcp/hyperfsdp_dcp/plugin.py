@@ -14,7 +14,7 @@ import argparse
 from hyperfsdp_core.plugin import hookimpl
 
 #: The hyperfsdp plugin-API versions this plugin supports.
-HYPERFSDP_API = ">=1.0,<2"
+HYPERFSDP_API = ">=1.1,<2"  # group_timeout
 
 
 @hookimpl

@@ -17,7 +17,7 @@ def test_discovered_through_its_entry_point():
 
 
 def test_declares_the_plugin_api_range():
-    assert plugin.HYPERFSDP_API == ">=1.0,<2"
+    assert plugin.HYPERFSDP_API == ">=1.1,<2"  # group_timeout
     assert all(
         re.fullmatch(r"(>=|<|<=|>|==)\d+(\.\d+)*", s) for s in plugin.HYPERFSDP_API.split(",")
     )

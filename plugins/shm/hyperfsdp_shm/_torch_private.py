@@ -8,7 +8,6 @@ the one to adapt.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -79,25 +78,6 @@ def show_reduce_scatter(numel: int, dtype: torch.dtype, group, op, async_op: boo
     inp = torch.empty(numel, dtype=dtype, device="meta")
     out = torch.empty(numel // world, dtype=dtype, device="meta")
     _PG_REDUCE_SCATTER(group, out, inp, opts)
-
-
-def group_timeout(group) -> timedelta:
-    """The timeout ``group``'s CPU backend was created with (``init_process_group(timeout=)``
-    or ``new_group(timeout=)``), or torch's default where it cannot be read.
-
-    The shared-memory collectives wait on their peers themselves and give up after the
-    same time gloo would; a process group's timeout is readable only through its backend's
-    options, which are not public.
-    """
-    try:
-        if group is None:
-            group = dist.group.WORLD
-        timeout = group._get_backend(torch.device("cpu")).options._timeout  # type: ignore[attr-defined]
-        if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
-            return timeout
-    except (AttributeError, RuntimeError):
-        pass
-    return dist.default_pg_timeout
 
 
 def _forward(name: str, to: str | None = None):

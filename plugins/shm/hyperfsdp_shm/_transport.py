@@ -23,13 +23,12 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from hyperfsdp_core.plugin import Transport
+from hyperfsdp_core.plugin import Transport, group_timeout
 
 from ._backend import BACKEND, ShmProcessGroup
 from ._settings import settings
 from ._torch_private import (
     dispatch_mode_active,
-    group_timeout,
     modes_set_aside,
     show_all_gather,
     show_reduce_scatter,

@@ -16,7 +16,7 @@ from hyperfsdp_core.plugin import StashKey, Transport, UnitView, hookimpl
 
 from . import _settings, _transport
 
-HYPERFSDP_API = ">=1.0,<2"
+HYPERFSDP_API = ">=1.1,<2"  # group_timeout
 
 #: the root's transport, shared by its units (one set of shared-memory groups per root)
 ROOT_TRANSPORT: StashKey[Transport | None] = StashKey("shm.transport")

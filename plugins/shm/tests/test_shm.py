@@ -296,7 +296,7 @@ def test_members_agree_and_no_segment_file_outlives_setup(run_ranks, refuse_on_r
 
 
 def reads_group_timeout():
-    from hyperfsdp_shm._torch_private import group_timeout
+    from hyperfsdp_core.plugin import group_timeout
 
     return group_timeout(None).total_seconds()
 

@@ -1,11 +1,12 @@
 """A small Llama-like model and tensor-parallel plans for tests and benchmarks.
 
-``Transformer`` has separate q/k/v projections and infers its local head count from the
-projection's output, so column-wise sharding of the projections splits whole heads.
+``Transformer`` is ``hyperfsdp_core.testing.reference.Transformer`` with separate q/k/v
+projections, which infer their local head count from the projection's output, so
+column-wise sharding of the projections splits whole heads.
 ``parallelize`` applies a Colwise/Rowwise plan on a TP mesh, with or without sequence
 parallelism (and loss parallelism on the head), the way torchtitan's Llama path does.
-Module names follow ``hyperfsdp_core.testing.reference.Transformer`` (and the benchmark
-model): ``tok_embeddings``, ``layers.<i>.attn.wq``..., ``norm``, ``output``.
+Module names (those of the benchmark model too): ``tok_embeddings``, ``layers.<i>.attn.wq``...,
+``norm``, ``output``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from hyperfsdp_core.testing.reference import MLP, RMSNorm
+from hyperfsdp_core.testing import reference
+from hyperfsdp_core.testing.reference import full
 
 from .styles import replicate_module
 
@@ -38,58 +40,20 @@ from .styles import replicate_module
 VARIANTS = ("sp", "no_sp", "no_sp_dtensor")
 
 
-class Attention(nn.Module):
-    def __init__(self, dim: int, n_heads: int) -> None:
-        super().__init__()
-        self.head_dim = dim // n_heads
-        self.wq = nn.Linear(dim, dim, bias=False)
-        self.wk = nn.Linear(dim, dim, bias=False)
-        self.wv = nn.Linear(dim, dim, bias=False)
-        self.wo = nn.Linear(dim, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, k, v = (
-            w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv)
-        )
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int, n_heads: int, hidden: int) -> None:
-        super().__init__()
-        self.attn_norm = RMSNorm(dim)
-        self.attn = Attention(dim, n_heads)
-        self.mlp_norm = RMSNorm(dim)
-        self.mlp = MLP(dim, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
-
-
-class Transformer(nn.Module):
-    """Embedding, ``n_layers`` blocks, final norm, head (norm weights random, not ones)."""
+class Transformer(reference.Transformer):
+    """``hyperfsdp_core.testing.reference.Transformer`` with separate q/k/v projections, the
+    embedding's default init and random norm weights (not ones)."""
 
     def __init__(
         self, vocab: int = 32, dim: int = 16, n_layers: int = 2, n_heads: int = 4, hidden: int = 24
     ) -> None:
-        super().__init__()
-        self.tok_embeddings = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(Block(dim, n_heads, hidden) for _ in range(n_layers))
-        self.norm = RMSNorm(dim)
-        self.output = nn.Linear(dim, vocab, bias=False)
+        super().__init__(
+            vocab, dim, n_layers, n_heads, hidden, fused_qkv=False, scaled_embedding=False
+        )
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if name.endswith("norm.weight"):
                     p.uniform_(0.5, 1.5)  # so that wrong norm gradients show in the parameters
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h)
-        return self.output(self.norm(h))
 
 
 def parallelize(
@@ -150,10 +114,6 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Cross entropy over the vocabulary; a DTensor result (loss parallel) is made local."""
     loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def train_parity(
