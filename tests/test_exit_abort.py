@@ -7,7 +7,8 @@ holds the GIL until the interpreter finalizes, CPython ends the worker thread in
 script of ``tools/exit_abort_loop.py`` makes that timing certain (an async all-gather whose
 handle is dropped, then a busy loop holding the GIL with a 1000 s switch interval until the
 work is done); without hyperfsdp's exit drain nearly every launch aborts (measured: 12 of 13
-launches), with it none does.
+launches), with it none does. The test launches it twice (a drain that does not work passes
+both with a chance of about 1 in 170).
 """
 
 from __future__ import annotations
@@ -38,10 +39,10 @@ def test_drain_returns_at_once_without_other_busy_threads():
 
 def test_no_abort_at_exit_after_a_gloo_collective_completes_under_a_held_gil():
     proc = subprocess.run(
-        [sys.executable, str(TOOL), "--script", "det", "--drain", "--launches", "3"],
+        [sys.executable, str(TOOL), "--script", "det", "--drain", "--launches", "2"],
         capture_output=True,
         text=True,
         timeout=230,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "0 of 3 launches aborted, 0 failed otherwise" in proc.stdout
+    assert "0 of 2 launches aborted, 0 failed otherwise" in proc.stdout

@@ -251,7 +251,9 @@ SMOKE = textwrap.dedent(
 )
 
 
-def _check_install(tmp: Path, wheels: Path, extras: list[str], requested: str = "") -> None:
+def _check_install(
+    tmp: Path, wheels: Path, extras: list[str], requested: str = "", demo: bool = True
+) -> None:
     python = _fresh_env(tmp, wheels, f"hyperfsdp[{requested or ','.join(extras)}]")
     work = tmp / "work"  # outside the checkout: nothing importable by accident
     work.mkdir()
@@ -272,10 +274,11 @@ def _check_install(tmp: Path, wheels: Path, extras: list[str], requested: str = 
     for extra in extras:
         assert re.search(rf"^\s+{extra}\s+{EXTRAS[extra]}\s", plugins.stdout, re.MULTILINE)
 
-    demo = _run(python, "-m", "hyperfsdp_core", "demo", "--world-size", "2", "--steps", "2",
-                "--layers", "1", "--dim", "16", cwd=work)  # fmt: skip
-    assert demo.returncode == 0, demo.stdout + demo.stderr
-    assert "parity with the single-process reference: OK" in demo.stdout
+    if demo:
+        out = _run(python, "-m", "hyperfsdp_core", "demo", "--world-size", "2", "--steps", "2",
+                   "--layers", "1", "--dim", "16", cwd=work)  # fmt: skip
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "parity with the single-process reference: OK" in out.stdout
 
     helptext = _run(python, "-m", "hyperfsdp_core", "--help", cwd=work).stdout
     assert " bench " not in helptext  # the benchmark suite is a distribution of its own
@@ -291,7 +294,7 @@ def _available(wheels: Path, extras: tuple[str, ...]) -> list[str]:
 def test_tp_hsdp_extras_install_from_wheels(wheels, tmp_path):
     extras = _available(wheels, ("tp", "hsdp"))
     assert extras == ["tp", "hsdp"]
-    _check_install(tmp_path, wheels, extras)
+    _check_install(tmp_path, wheels, extras, demo=False)  # the demo: with every plugin, below
 
 
 def test_wheels_are_built_for_the_core_and_every_plugin(wheels):
