@@ -254,6 +254,16 @@ def doc_bf16() -> types.ModuleType:
     return doc_block("Example: bf16 on the wire")
 
 
+def test_the_bf16_transport_of_the_docs_is_small():
+    """A compressing transport written from the docs fits in 50 lines of code (blank lines
+    and comments not counted) and declares the plugin API that has ``report_wire``."""
+    text = (ROOT / "docs" / "plugins.md").read_text()
+    block = text.split("### Example: bf16 on the wire\n", 1)[1].split("```python\n", 1)[1]
+    lines = block.split("```", 1)[0].splitlines()
+    assert len([ln for ln in lines if ln.strip() and not ln.strip().startswith("#")]) <= 50
+    assert doc_bf16().HYPERFSDP_API == ">=1.1,<2"
+
+
 def train_observed(plugin, *, mp: bool = False) -> tuple[list[float], list]:
     """Train the sharded model STEPS steps (``plugin`` registered unless None); the losses
     (averaged over ranks) and every collective event the observers saw."""
