@@ -82,7 +82,7 @@ def source(tmp_path_factory) -> Path:
         ROOT,
         source,
         ignore=shutil.ignore_patterns(
-            ".git", ".venv", "dist", "build", "*.egg-info", "__pycache__", "results"
+            ".git", ".venv*", "dist", "build", "*.egg-info", "__pycache__", "results"
         ),
     )
     return source
