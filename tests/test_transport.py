@@ -35,16 +35,20 @@ VOCAB = 32
 TIMEOUT = 180
 
 
-def doc_block(title: str) -> types.ModuleType:
-    """The code block under ``### <title>`` in docs/plugins.md's "6. A transport", executed
-    as a module (the plugin it defines)."""
+def doc_source(title: str) -> str:
+    """The code block under ``### <title>`` in docs/plugins.md's "6. A transport"."""
     text = (ROOT / "docs" / "plugins.md").read_text()
     section = text.split("## 6. A transport", 1)[1].split("\n## ", 1)[0]
     part = section.split(f"### {title}\n", 1)[1].split("\n### ", 1)[0]
     blocks = re.findall(r"```python\n(.*?)```", part, re.DOTALL)
     assert len(blocks) == 1, f"docs/plugins.md: the example {title!r} is missing"
+    return blocks[0]
+
+
+def doc_block(title: str) -> types.ModuleType:
+    """The code block under ``### <title>`` executed as a module (the plugin it defines)."""
     module = types.ModuleType(title)
-    exec(compile(blocks[0], f"<docs/plugins.md: {title}>", "exec"), module.__dict__)
+    exec(compile(doc_source(title), f"<docs/plugins.md: {title}>", "exec"), module.__dict__)
     return module
 
 
@@ -250,16 +254,17 @@ def test_custom_comm_takes_precedence_over_the_plugin_transport(run_ranks):
 # -- bf16 on the wire (the second example of docs/plugins.md) ---------------------------------
 
 
+BF16 = "Example: bf16 on the wire"
+
+
 def doc_bf16() -> types.ModuleType:
-    return doc_block("Example: bf16 on the wire")
+    return doc_block(BF16)
 
 
 def test_the_bf16_transport_of_the_docs_is_small():
     """A compressing transport written from the docs fits in 50 lines of code (blank lines
     and comments not counted) and declares the plugin API that has ``report_wire``."""
-    text = (ROOT / "docs" / "plugins.md").read_text()
-    block = text.split("### Example: bf16 on the wire\n", 1)[1].split("```python\n", 1)[1]
-    lines = block.split("```", 1)[0].splitlines()
+    lines = doc_source(BF16).splitlines()
     assert len([ln for ln in lines if ln.strip() and not ln.strip().startswith("#")]) <= 50
     assert doc_bf16().HYPERFSDP_API == ">=1.1,<2"
 

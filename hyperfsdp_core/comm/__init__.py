@@ -6,10 +6,10 @@ plugin supplies through ``hyperfsdp_transport``); :class:`Comm` issues them with
 :class:`Handle` objects, accelerator streams and events, and pooled buffers;
 :class:`PluginComm` is the facade plugins use. Other layers import from this package.
 
-Modules, lowest first: ``records`` (:class:`CollectiveEvent`, :func:`report_wire`), ``transport`` (the seam),
-``handles`` (pending collectives), ``pools`` (CPU buffer and storage pools), ``comm``
-(:class:`Comm`, issuing), ``plugin_comm`` (:class:`PluginComm`, :data:`Work`), ``exit``
-(draining collectives at interpreter exit).
+Modules, lowest first: ``records`` (:class:`CollectiveEvent`, :func:`report_wire`),
+``transport`` (the seam), ``handles`` (pending collectives), ``pools`` (CPU buffer and
+storage pools), ``comm`` (:class:`Comm`, issuing), ``plugin_comm`` (:class:`PluginComm`,
+:data:`Work`), ``exit`` (draining collectives at interpreter exit).
 """
 
 from .comm import Comm

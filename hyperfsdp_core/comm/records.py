@@ -69,16 +69,10 @@ def observed_event(what: tuple, group_size: int, reported: list[torch.Tensor]) -
     """The event of the collective ``what`` (kind, unit, tensor, group) whose transport
     reported ``reported``."""
     kind, unit, tensor, _ = what
+    wire = {}
+    if reported:
+        dtypes = {t.dtype for t in reported}
+        wire["wire_nbytes"] = sum(t.numel() * t.element_size() for t in reported)
+        wire["wire_dtype"] = dtypes.pop() if len(dtypes) == 1 else None
     nbytes = tensor.numel() * tensor.element_size()
-    if not reported:
-        return CollectiveEvent(kind, group_size, nbytes, tensor.dtype, unit)
-    dtypes = {t.dtype for t in reported}
-    return CollectiveEvent(
-        kind,
-        group_size,
-        nbytes,
-        tensor.dtype,
-        unit,
-        wire_nbytes=sum(t.numel() * t.element_size() for t in reported),
-        wire_dtype=dtypes.pop() if len(dtypes) == 1 else None,
-    )
+    return CollectiveEvent(kind, group_size, nbytes, tensor.dtype, unit, **wire)
