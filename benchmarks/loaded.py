@@ -8,9 +8,10 @@ not burn the core a peer or another process needs. This runs the same small Tran
 busy processes spinning beside them, for each of:
 
 - ``shm``: hyperfsdp with the hyperfsdp-shm plugin's shared memory (its default);
-- ``shm-off``: the plugin's gloo stand-ins (``HYPERFSDP_SHM=0``);
-- ``core``: no transport plugin (``HYPERFSDP_GLOO_NATIVE_COLLECTIVES=1``: the plugin
-  supplies none, as when it is not installed): torch.distributed's own collectives;
+- ``core``: the core alone (``HYPERFSDP_SHM=0``: the plugin supplies no transport, as
+  when it is not installed): the core's gloo routes without gloo's full-size buffers;
+- ``native``: gloo's own collectives (``HYPERFSDP_GLOO_NATIVE_COLLECTIVES=1``), as FSDP2
+  runs them;
 - ``fsdp2``: torch's ``fully_shard``.
 
 Interleaved rounds (each variant once per round); it prints seconds per step (median over
@@ -35,8 +36,8 @@ from hyperfsdp_core.testing.reference import Transformer, lm_loss, local_slice, 
 
 VARIANTS = {
     "shm": {"HYPERFSDP_SHM": "1"},
-    "shm-off": {"HYPERFSDP_SHM": "0"},
-    "core": {"HYPERFSDP_GLOO_NATIVE_COLLECTIVES": "1"},
+    "core": {"HYPERFSDP_SHM": "0"},
+    "native": {"HYPERFSDP_GLOO_NATIVE_COLLECTIVES": "1"},
     "fsdp2": {},
 }
 VOCAB, DIM, LAYERS, HIDDEN, BATCH, SEQ = 512, 64, 8, 256, 8, 32

@@ -13,15 +13,17 @@ import functools
 import importlib
 import types
 from collections.abc import Callable
+from contextlib import nullcontext
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions, ReduceScatterOptions
 from torch.distributed.tensor import DTensor
 
 # the base class of the test harness's stream simulator (testing/streams.py): how a mode
 # sees every operator; torch exports it only from this private module
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 # torch has no public pytree module; a unit's forward inputs and outputs are walked with
 # torch's own (as FSDP2 does) to cast them and to hook their tensors for the backward.
@@ -37,7 +39,11 @@ __all__ = [
     "foreach_copy_",
     "foreach_zero_",
     "group_timeout",
+    "modes_set_aside",
     "queue_end_of_backward_callback",
+    "show_all_gather",
+    "show_reduce_scatter",
+    "shown_to_modes",
     "storage_id",
     "swap_storage_memory",
     "torch_fsdp_module_class",
@@ -171,6 +177,68 @@ def group_timeout(group: dist.ProcessGroup | None) -> timedelta:
     except (AttributeError, RuntimeError, TypeError):
         pass
     return dist.default_pg_timeout
+
+
+# -- what a torch dispatch mode sees of a collective the gloo routes carry ------------------
+# (comm/gloo.py; plugins reach these through ``hyperfsdp_core.plugin``)
+
+
+def shown_to_modes() -> bool:
+    """Whether a ``TorchDispatchMode`` (``CommDebugMode``, ``FlopCounterMode``, a tracer) is
+    active on this thread. torch has no public query of the mode stack; this reads its
+    length (one C++ call)."""
+    return torch._C._len_torch_dispatch_stack() > 0  # type: ignore[attr-defined]
+
+
+def modes_set_aside():
+    """A ``with`` block that runs without this thread's dispatch modes (they are back after
+    it): a route's own copies, point-to-point and all-reduce calls, which a mode is shown as
+    the one collective FSDP2 issues instead (:func:`show_all_gather`).
+    ``_disable_current_modes`` is the only way to pop the mode stack and restore it."""
+    if torch._C._len_torch_dispatch_stack() == 0:  # type: ignore[attr-defined]
+        return nullcontext()
+    return _disable_current_modes()
+
+
+# torch 2.13 names the single-tensor methods of a ProcessGroup ``all_gather_single`` and
+# ``reduce_scatter_single``; before, they were ``_allgather_base`` and ``_reduce_scatter_base``
+_PG_ALL_GATHER = (
+    getattr(dist.ProcessGroup, "all_gather_single", None) or dist.ProcessGroup._allgather_base
+)
+_PG_REDUCE_SCATTER = (
+    getattr(dist.ProcessGroup, "reduce_scatter_single", None)
+    or dist.ProcessGroup._reduce_scatter_base
+)
+
+
+def show_all_gather(numel: int, dtype: torch.dtype, group, async_op: bool) -> None:
+    """Show this thread's dispatch modes an all-gather into ``numel`` elements of ``dtype``
+    over ``group`` as FSDP2 issues it (``c10d._allgather_base_``), moving no data: the op
+    runs on meta tensors of those sizes, whose kernel (torch's ``_meta_registrations``)
+    returns a finished fake work without communicating.
+
+    c10d's own ``ProcessGroup`` method is called (not ``group``'s override, which a Python
+    process group may have): it is what dispatches the op. The options classes are not
+    exported by ``torch.distributed``.
+    """
+    group = dist.group.WORLD if group is None else group
+    opts = AllgatherOptions()
+    opts.asyncOp = async_op
+    out = torch.empty(numel, dtype=dtype, device="meta")
+    inp = torch.empty(numel // group.size(), dtype=dtype, device="meta")
+    _PG_ALL_GATHER(group, out, inp, opts)
+
+
+def show_reduce_scatter(numel: int, dtype: torch.dtype, group, op, async_op: bool) -> None:
+    """Like :func:`show_all_gather`, for a reduce-scatter of ``numel`` elements
+    (``c10d._reduce_scatter_base_``) with reduction ``op``."""
+    group = dist.group.WORLD if group is None else group
+    opts = ReduceScatterOptions()
+    opts.reduceOp = op
+    opts.asyncOp = async_op
+    inp = torch.empty(numel, dtype=dtype, device="meta")
+    out = torch.empty(numel // group.size(), dtype=dtype, device="meta")
+    _PG_REDUCE_SCATTER(group, out, inp, opts)
 
 
 #: torch's public FSDP2 names (the FSDP2 part of ``torch.distributed.fsdp.__all__``).

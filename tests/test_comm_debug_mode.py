@@ -1,7 +1,7 @@
 """torch's ``CommDebugMode`` (``torch.distributed.tensor.debug``) sees every collective the
 core issues, with FSDP2's kinds and counts, on every CPU transport: shared memory, gloo
-with the core's stand-ins (``HYPERFSDP_SHM=0``) and gloo's own collectives
-(``HYPERFSDP_GLOO_NATIVE_COLLECTIVES=1``). The plugin's own routes stay as they are
+with the core's own routes (``HYPERFSDP_SHM=0``) and gloo's own collectives
+(``HYPERFSDP_GLOO_NATIVE_COLLECTIVES=1``). The routes stay as they are
 while a mode is active, and show the mode each collective as the c10d op FSDP2 issues.
 """
 
@@ -25,16 +25,28 @@ STEPS = 4
 COUNTED = (0, 2)
 VOCAB = 33
 
-#: how hyperfsdp's gloo collectives run: settings of the hyperfsdp-shm plugin (what the
-#: environment variables set when a root's transport is made)
+#: how hyperfsdp's gloo collectives run: settings of the hyperfsdp-shm plugin and of the
+#: core's gloo routes (what the environment variables set when a root's transport is made)
 TRANSPORTS = {
     # shared memory between the ranks of this host (the default)
-    "shm": {"SHM": True, "GLOO_ALL_REDUCE": True, "GLOO_ALL_GATHER_MIN_BYTES": 0},
-    # HYPERFSDP_SHM=0: point-to-point and in-place all-reduce stand-ins on gloo, at every size
-    "gloo": {"SHM": False, "GLOO_ALL_REDUCE": True, "GLOO_ALL_GATHER_MIN_BYTES": 0},
+    "shm": {"SHM": True, "NATIVE": False, "ALL_GATHER_MIN_BYTES": 0},
+    # HYPERFSDP_SHM=0: the core's gloo routes (point to point, in-place all-reduce), every size
+    "gloo": {"SHM": False, "NATIVE": False, "ALL_GATHER_MIN_BYTES": 0},
     # HYPERFSDP_GLOO_NATIVE_COLLECTIVES=1: gloo's own all-gathers and reduce-scatters
-    "native": {"SHM": False, "GLOO_ALL_REDUCE": False},
+    "native": {"SHM": False, "NATIVE": True},
 }
+
+
+def _owner(name: str):
+    """The module that holds switch ``name``: the plugin's ``SHM``, else the core's gloo
+    routes' (``NATIVE``, ``ALL_GATHER_MIN_BYTES``)."""
+    if name == "SHM":
+        from hyperfsdp_shm import _settings
+
+        return _settings
+    from hyperfsdp_core.comm import gloo
+
+    return gloo
 
 
 def shared_memory_used(model) -> bool:
@@ -74,7 +86,6 @@ def counted_training(impl: str, transport: str, layout: str):
     """Train ``STEPS`` steps, the ``COUNTED`` ones under ``CommDebugMode``, all under the
     core's own counter; check the losses against the unsharded reference and return
     CommDebugMode's counts by op name and the core counter's for the same steps."""
-    from hyperfsdp_shm import _settings as coll
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
 
@@ -83,9 +94,9 @@ def counted_training(impl: str, transport: str, layout: str):
     else:
         from torch.distributed.fsdp import fully_shard
     world = dist.get_world_size()
-    saved = {name: getattr(coll, name) for name in TRANSPORTS[transport]}
+    saved = {name: getattr(_owner(name), name) for name in TRANSPORTS[transport]}
     for name, value in TRANSPORTS[transport].items():
-        setattr(coll, name, value)
+        setattr(_owner(name), name, value)
     try:
         torch.manual_seed(0)
         model = Transformer(vocab=VOCAB, dim=16, n_layers=3, hidden=24)
@@ -125,7 +136,7 @@ def counted_training(impl: str, transport: str, layout: str):
         return counts, own
     finally:
         for name, value in saved.items():
-            setattr(coll, name, value)
+            setattr(_owner(name), name, value)
 
 
 KIND = {"c10d._allgather_base_": "ag", "c10d._reduce_scatter_base_": "rs", "c10d.allreduce_": "ar"}

@@ -2,7 +2,7 @@
 mode of the user's own around one rank's step: how a trainer measures FLOPs or counts
 collectives on rank 0) changes nothing about the collectives: training goes on with the
 unsharded reference's losses on every CPU transport (the ``hyperfsdp-shm`` plugin's shared
-memory, its gloo stand-ins, torch's own without the plugin), and the mode sees what it sees
+memory, the core's gloo routes, gloo's own), and the mode sees what it sees
 under FSDP2 (the same collectives, the same FLOPs).
 
 The sharded model uses a group with a short timeout: a collective whose route differed
@@ -29,13 +29,26 @@ VOCAB = 33
 #: seconds a collective of the sharded model waits for its peers
 GROUP_TIMEOUT = 10
 
-#: settings of the hyperfsdp-shm plugin (what its environment variables set at lazy init);
-#: "no_plugin" disables the plugin itself (``HYPERFSDP_PLUGINS_DISABLE=shm``)
+#: settings of the hyperfsdp-shm plugin and the core's gloo routes (what their environment
+#: variables set at lazy init); "gloo_routes": the core's, at every size; "no_plugin"
+#: disables the plugin itself (``HYPERFSDP_PLUGINS_DISABLE=shm``: the core's defaults)
 TRANSPORTS = {
-    "shm": {"SHM": True, "GLOO_ALL_REDUCE": True, "GLOO_ALL_GATHER_MIN_BYTES": 0},
-    "gloo_stand_ins": {"SHM": False, "GLOO_ALL_REDUCE": True, "GLOO_ALL_GATHER_MIN_BYTES": 0},
+    "shm": {"SHM": True, "NATIVE": False, "ALL_GATHER_MIN_BYTES": 0},
+    "gloo_routes": {"SHM": False, "NATIVE": False, "ALL_GATHER_MIN_BYTES": 0},
     "no_plugin": {},
 }
+
+
+def _owner(name: str):
+    """The module that holds switch ``name``: the plugin's ``SHM``, else the core's gloo
+    routes' (``NATIVE``, ``ALL_GATHER_MIN_BYTES``)."""
+    if name == "SHM":
+        from hyperfsdp_shm import _settings
+
+        return _settings
+    from hyperfsdp_core.comm import gloo
+
+    return gloo
 
 
 class CollectivesSeen(TorchDispatchMode):
@@ -94,11 +107,9 @@ def train_with_mode_on_one_rank(impl: str, transport: str, mode_name: str, mode_
         from torch.distributed.fsdp import fully_shard
     settings = TRANSPORTS[transport]
     if settings:
-        from hyperfsdp_shm import _settings as coll
-
-        saved = {name: getattr(coll, name) for name in settings}
+        saved = {name: getattr(_owner(name), name) for name in settings}
         for name, value in settings.items():
-            setattr(coll, name, value)
+            setattr(_owner(name), name, value)
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         group = dist.new_group(list(range(world)), timeout=timedelta(seconds=GROUP_TIMEOUT))
@@ -130,7 +141,7 @@ def train_with_mode_on_one_rank(impl: str, transport: str, mode_name: str, mode_
     finally:
         if settings:
             for name, value in saved.items():
-                setattr(coll, name, value)
+                setattr(_owner(name), name, value)
 
 
 def _check(run_ranks, monkeypatch, world, transport, mode, mode_rank, at):
@@ -157,7 +168,7 @@ def test_mode_on_one_rank_trains_on(run_ranks, monkeypatch, world, transport, mo
     _check(run_ranks, monkeypatch, world, transport, mode, mode_rank=0, at=1)
 
 
-@pytest.mark.parametrize("transport", ["shm", "gloo_stand_ins"])
+@pytest.mark.parametrize("transport", ["shm", "gloo_routes"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_mode_on_one_rank_at_the_first_step(run_ranks, monkeypatch, world, transport):
     """The last rank's first step (lazy init, the shared memory's setup) inside the mode."""

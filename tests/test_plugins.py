@@ -564,18 +564,18 @@ def test_unregistering_an_entry_point_plugin_forgets_its_distribution(site):
     [
         (">=1.0,<2", True),
         (">=1", True),
-        (">=1.1,<2", True),
-        ("==1.1", True),
+        (">=1.2,<2", True),
+        ("==1.2", True),
         ("==1", False),
-        (">=1.2", False),
-        ("<1.1", False),
+        (">=1.3", False),
+        ("<1.2", False),
         (">=0.9, <1.0", False),
-        ("!=1.1", False),
-        (">0.9,<=1.1", True),
+        ("!=1.2", False),
+        (">0.9,<=1.2", True),
     ],
 )
-def test_supports_api_against_version_1_1(spec, ok):
-    assert versions.API_VERSION == (1, 1)
+def test_supports_api_against_version_1_2(spec, ok):
+    assert versions.API_VERSION == (1, 2)
     assert versions.supports_api(spec) is ok
 
 
@@ -599,7 +599,7 @@ def test_runtime_plugin_with_an_unsupported_range_is_refused(pm):
         pm.register(Future(), name="future")
     assert str(info.value) == (
         "hyperfsdp plugin 'future' supports plugin API >=2.0,<3, but hyperfsdp's plugin API "
-        "is 1.1. Install a version of the plugin made for this hyperfsdp, or a hyperfsdp whose "
+        "is 1.2. Install a version of the plugin made for this hyperfsdp, or a hyperfsdp whose "
         "plugin API it supports"
     )
     assert pm.get_plugin("future") is None
@@ -636,7 +636,7 @@ def test_entry_point_plugin_for_another_api_fails_at_load_naming_it(site):
         build_plugin_manager()
     assert str(info.value) == (
         "hyperfsdp plugin 'fake_old' from distribution 'hyperfsdp-fake-old' 0.0.9 supports "
-        "plugin API >=0.1,<1, but hyperfsdp's plugin API is 1.1. Install a version of the "
+        "plugin API >=0.1,<1, but hyperfsdp's plugin API is 1.2. Install a version of the "
         "plugin made for this hyperfsdp, or a hyperfsdp whose plugin API it supports"
     )
     assert isinstance(info.value, PluginLoadError)  # `hyperfsdp plugins` reports it

@@ -185,22 +185,23 @@ def batch(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @contextlib.contextmanager
 def gather_route(route: str):
-    """The gloo route of the all-gathers: ``"native"`` (torch's own, the core's default),
-    or one of the ``hyperfsdp-shm`` plugin's transport: ``"shm"`` (shared memory),
-    ``"p2p"`` (point to point), ``"all_reduce"`` (in place)."""
+    """The gloo route of the all-gathers: ``"native"`` (the default; these units are under
+    the core's gloo routes' size threshold), ``"shm"`` (the ``hyperfsdp-shm`` plugin's
+    shared memory) or one of the core's gloo routes at every size: ``"p2p"`` (point to
+    point), ``"all_reduce"`` (in place)."""
     if route == "native":
         yield
         return
-    from hyperfsdp_shm import _settings, _transport
+    from hyperfsdp_core.comm import gloo
 
-    saved = _settings.GLOO_ALL_GATHER_MIN_BYTES, _transport.GLOO_P2P_ALL_GATHER
-    _settings.GLOO_ALL_GATHER_MIN_BYTES = 0
-    _transport.GLOO_P2P_ALL_GATHER = route != "all_reduce"
+    saved = gloo.ALL_GATHER_MIN_BYTES, gloo.P2P
+    gloo.ALL_GATHER_MIN_BYTES = 0
+    gloo.P2P = route != "all_reduce"
     try:
         with shared_memory(route == "shm"):
             yield
     finally:
-        _settings.GLOO_ALL_GATHER_MIN_BYTES, _transport.GLOO_P2P_ALL_GATHER = saved
+        gloo.ALL_GATHER_MIN_BYTES, gloo.P2P = saved
 
 
 def rank_train(

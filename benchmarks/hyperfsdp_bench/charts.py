@@ -25,7 +25,7 @@ COLORS = {
     "fsdp2": "tab:red",
     "ddp": "tab:green",
     "floor": "tab:gray",
-    "hyperfsdp-gloo": "tab:cyan",
+    "hyperfsdp-core": "tab:cyan",
     "hyperfsdp-native": "tab:olive",
 }
 #: the scaling sweep's axes: (config, fixed world, depths) and (config, fixed depth, worlds)

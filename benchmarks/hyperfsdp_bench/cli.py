@@ -77,8 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=names.IMPLS + names.VARIANTS,
         help="only these implementations (repeatable; default: the four main ones; "
         "hyperfsdp-tuned adds hyperfsdp with its CPU communication knobs on; hyperfsdp-native "
-        "with gloo's own all-gather and reduce-scatter; hyperfsdp-gloo without the "
-        "shared-memory collectives (gloo point-to-point); <impl>-foreach that implementation "
+        "with gloo's own all-gather and reduce-scatter; hyperfsdp-core the core alone, "
+        "without the shared-memory plugin (HYPERFSDP_SHM=0); <impl>-foreach that implementation "
         "with torch.optim.AdamW(foreach=True))",
     )
     p.add_argument(

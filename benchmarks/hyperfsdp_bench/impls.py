@@ -22,11 +22,11 @@ from .names import IMPLS, OFFLOAD_VARIANTS, VARIANTS
 #: - ``<impl>-foreach``: ``torch.optim.AdamW(..., foreach=True)`` instead of the default
 #:   (on CPU: the per-tensor loop), to measure what the multi-tensor optimizer buys;
 #: - ``hyperfsdp-native``: hyperfsdp with gloo's own all-gather and reduce-scatter
-#:   (``HYPERFSDP_GLOO_NATIVE_COLLECTIVES=1``: the hyperfsdp-shm plugin supplies no
-#:   transport, as when it is not installed) instead of its shared-memory collectives and
-#:   gloo stand-ins;
-#: - ``hyperfsdp-gloo``: hyperfsdp without the shared-memory collectives
-#:   (``HYPERFSDP_SHM=0``): the plugin's gloo point-to-point and in-place all-reduces.
+#:   (``HYPERFSDP_GLOO_NATIVE_COLLECTIVES=1``), as FSDP2 runs them, instead of the core's
+#:   gloo routes and the hyperfsdp-shm plugin's shared memory;
+#: - ``hyperfsdp-core``: the core alone, what ``pip install hyperfsdp`` gives
+#:   (``HYPERFSDP_SHM=0``: the hyperfsdp-shm plugin supplies no transport): the core's gloo
+#:   routes without gloo's full-size buffers.
 #:
 #: The ``offload`` configuration adds its own: ``hyperfsdp-no-offload`` and
 #: ``fsdp2-no-offload`` (the same without offload) and ``fsdp2-unpinned`` (FSDP2's
@@ -37,7 +37,7 @@ ALL_IMPLS = IMPLS + VARIANTS + OFFLOAD_VARIANTS
 #: Main implementations that run under torch.distributed (the floor runs one independent
 #: process per rank, except in tensor-parallel cases: see ``needs_process_group``).
 _DISTRIBUTED_BASES = frozenset({"hyperfsdp", "fsdp2", "ddp"})
-_SUFFIXES = ("-tuned", "-native", "-gloo", "-foreach", "-no-offload", "-unpinned")
+_SUFFIXES = ("-tuned", "-native", "-core", "-foreach", "-no-offload", "-unpinned")
 
 
 def parse_impl(impl: str) -> tuple[str, str]:
@@ -196,10 +196,10 @@ def build(impl: str, spec: CaseSpec) -> Built:
     if base == "hyperfsdp":
         from hyperfsdp_core import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-        # hyperfsdp-shm's switches, read at the root's lazy init (this process runs one impl)
+        # switches read at the root's lazy init (this process runs one impl)
         if variant == "native":
             os.environ["HYPERFSDP_GLOO_NATIVE_COLLECTIVES"] = "1"
-        elif variant == "gloo":
+        elif variant == "core":
             os.environ["HYPERFSDP_SHM"] = "0"
 
         policy = CPUOffloadPolicy() if offload else None

@@ -95,23 +95,23 @@ class CollectiveCounter:
                 if entry is not None and entry[0] is value:
                     setattr(mod, attr, entry[1])
                     self.aliases.append(f"{mod_name}.{attr}")
-        # hyperfsdp's point-to-point all-gather (gloo, dim-0 buckets): one all-gather of the
-        # unsharded bytes, made of sends and receives the wrappers above do not see; its
-        # pair reduce-scatter (one reduce-scatter of the full input); and the same through
-        # shared memory, which calls no torch.distributed function at all
-        # (all in the hyperfsdp-shm plugin's transport, where it is installed)
-        coll = sys.modules.get("hyperfsdp_shm._transport")
-        for attr, name, kind, index in (
-            ("all_gather_p2p", "all_gather_p2p", "list", 0),
-            ("reduce_scatter_pair", "reduce_scatter_pair", "tensor", 1),
-            ("all_gather_rows_shm", "all_gather_rows_shm", "list", 0),
-            ("all_gather_shm", "all_gather_shm", "tensor", 0),
-            ("reduce_scatter_shm", "reduce_scatter_shm", "tensor", 1),
+        # hyperfsdp's point-to-point all-gather (the core's gloo routes, dim-0 buckets): one
+        # all-gather of the unsharded bytes, made of sends and receives the wrappers above do
+        # not see; its pair reduce-scatter (one reduce-scatter of the full input); and the
+        # same through the hyperfsdp-shm plugin's shared memory, which calls no
+        # torch.distributed function at all
+        for module, attr, kind, index in (
+            ("hyperfsdp_core.comm.gloo", "all_gather_p2p", "list", 0),
+            ("hyperfsdp_core.comm.gloo", "reduce_scatter_pair", "tensor", 1),
+            ("hyperfsdp_shm._transport", "all_gather_rows_shm", "list", 0),
+            ("hyperfsdp_shm._transport", "all_gather_shm", "tensor", 0),
+            ("hyperfsdp_shm._transport", "reduce_scatter_shm", "tensor", 1),
         ):
+            coll = sys.modules.get(module)
             fn = getattr(coll, attr, None)
             if fn is not None and not getattr(fn, "_hyperfsdp_bench_wrapped", False):
-                setattr(coll, attr, self._wrap(name, fn, kind, index))
-                self.installed.append(name)
+                setattr(coll, attr, self._wrap(attr, fn, kind, index))
+                self.installed.append(attr)
 
     def _wrap(self, name: str, fn, kind: str, index: int):
         local = self._local

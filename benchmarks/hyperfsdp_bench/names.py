@@ -20,7 +20,7 @@ IMPLS = ("hyperfsdp", "fsdp2", "ddp", "floor")
 VARIANTS = (
     "hyperfsdp-tuned",
     "hyperfsdp-native",
-    "hyperfsdp-gloo",
+    "hyperfsdp-core",
     "hyperfsdp-foreach",
     "fsdp2-foreach",
     "ddp-foreach",

@@ -66,7 +66,7 @@ def case_line(res: dict) -> str:
 
 
 #: opt-in hyperfsdp variants that get a column of their own in the summary
-SUMMARY_VARIANTS = ("hyperfsdp-tuned", "hyperfsdp-native", "hyperfsdp-gloo", "hyperfsdp-foreach")
+SUMMARY_VARIANTS = ("hyperfsdp-tuned", "hyperfsdp-native", "hyperfsdp-core", "hyperfsdp-foreach")
 
 
 def summary_table(results: dict, markdown: bool = False) -> str:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .._torch_private import STORAGE_MEMORY_SWAPPABLE
+from .gloo import default_transport
 from .handles import Handle, describe_failure
 from .pools import BufferPool, StoragePool
 from .records import CollectiveEvent, observed_event, wire_reports
@@ -77,8 +78,9 @@ class Comm:
         #: parked memory of resharded unsharded buffers (CPU, where torch can swap it)
         self.storage_pool = StoragePool() if self.is_cpu and STORAGE_MEMORY_SWAPPABLE else None
         #: what carries collectives that no unit transport (``hyperfsdp_transport``,
-        #: ``set_custom_*``) takes: torch.distributed's own
-        self.transport: Transport = Transport()
+        #: ``set_custom_*``) takes: on CPU the gloo routes without gloo's full-size buffers
+        #: (:mod:`.gloo`), else torch.distributed's own
+        self.transport: Transport = default_transport(device) if self.is_cpu else Transport()
         # (unit view, its parameter group), for the collectives plugins issue through
         # ``root.comm`` with ``unit=<fqn>``; by fqn once first asked (named by then)
         self._unit_pairs: list = []

@@ -2,9 +2,10 @@
 
 A bucket asks its transport once per collective: a unit's own (a plugin's
 ``hyperfsdp_transport``, FSDP2's ``set_custom_*`` comm objects, composed by
-:func:`compose_transport`), else the root's default, torch.distributed's own collectives
-(the ``hyperfsdp-shm`` plugin supplies shared memory and gloo stand-ins on CPU through the
-same seam). The transport picks the route; :class:`~.comm.Comm` issues the collective.
+:func:`compose_transport`), else the root's default: on CPU :class:`~.gloo.GlooTransport`
+(gloo without its full-size buffers), elsewhere this module's :class:`Transport`,
+torch.distributed's own collectives (the ``hyperfsdp-shm`` plugin adds shared memory on CPU
+through the same seam). The transport picks the route; :class:`~.comm.Comm` issues it.
 """
 
 from __future__ import annotations

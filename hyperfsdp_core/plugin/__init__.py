@@ -25,14 +25,16 @@ refuses to load it on a mismatch.
   returns :class:`Work`; observers receive :class:`CollectiveEvent`. :class:`Transport`
   (returned by the ``hyperfsdp_transport`` hook) carries a unit's collectives, built from
   FSDP2's ``AllGather``/``ReduceScatter`` comm objects; a transport tells the observers
-  what it puts on the wire with :func:`report_wire`.
+  what it puts on the wire with :func:`report_wire`. :class:`GlooTransport` is the core's
+  default on CPU, to subclass; :func:`modes_set_aside` runs a transport's own workings
+  unseen by torch dispatch modes.
 - Gradients: reducers receive :class:`Reduction` objects (``params``, ``output``,
   ``grad_of()``, ``defer()``/``release()``, ``consume()``, ``key``, ``unit``,
   ``all_reduce_divisor``).
 """
 
-from .._torch_private import group_timeout
-from ..comm import CollectiveEvent, PluginComm, Transport, Work, report_wire
+from .._torch_private import group_timeout, modes_set_aside
+from ..comm import CollectiveEvent, GlooTransport, PluginComm, Transport, Work, report_wire
 from ..engine.mesh_info import (
     MeshInfo,
     ProcessGroupCache,
@@ -56,6 +58,7 @@ __all__ = [
     "API_VERSION",
     "FIRST_PHASE",
     "CollectiveEvent",
+    "GlooTransport",
     "MeshInfo",
     "ParamLayout",
     "ParamView",
@@ -82,6 +85,7 @@ __all__ = [
     "hookimpl",
     "hsdp_mesh_info",
     "mesh_device",
+    "modes_set_aside",
     "placements_for",
     "report_wire",
     "supports_api",

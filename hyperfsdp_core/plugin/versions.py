@@ -7,7 +7,7 @@ import re
 
 #: The plugin API version this core implements. Minor versions add hooks and fields;
 #: a major version changes or removes something plugins may rely on.
-API_VERSION = (1, 1)
+API_VERSION = (1, 2)
 #: Module attribute in which a plugin declares the API versions it supports.
 API_ATTRIBUTE = "HYPERFSDP_API"
 

@@ -57,9 +57,9 @@ def registered(plugin: object, name: str) -> Iterator[object]:
 def shared_memory(enabled: bool) -> Iterator[None]:
     """Whether roots lazily initialized inside the ``with`` block move their gloo
     collectives through shared memory (the default where the ranks share a host and the
-    ``hyperfsdp-shm`` plugin is installed) or through its gloo stand-ins (as
+    ``hyperfsdp-shm`` plugin is installed) or through the core's gloo routes (as
     ``HYPERFSDP_SHM=0`` does for a whole run: the plugin reads it at each root's lazy
-    init). With shared memory a collective runs in line when it is issued, so the core
+    init, and supplies no transport). With shared memory a collective runs in line when it is issued, so the core
     does not prefetch the next unit's all-gather; test both where that matters."""
     import os
 

@@ -14,7 +14,7 @@ from ..plugin.manager import hookimpl
 
 #: the core's issue points and the kind each counts as: whichever transport then carries
 #: the collective (torch.distributed's own, a plugin's such as ``hyperfsdp-shm``'s shared
-#: memory or gloo stand-ins, FSDP2-style custom comms), it counts once, as what it is
+#: memory, the core's gloo routes, FSDP2-style custom comms), it counts once, as what it is
 KINDS = {
     "all_gather": "ag",
     "all_gather_rows": "ag",
@@ -151,3 +151,103 @@ class TorchCollectiveBytes:
         for name, fn in self._orig.items():
             setattr(dist, name, fn)
         self._orig = {}
+
+
+def train_every_gather_layout(subgroup: bool = False) -> dict:
+    """Train a small ``reference.Transformer`` three steps with a unit of each gather layout
+    a transport meets, on the roots made inside: uneven dim-0 shards (block 0), the same in
+    bf16 mixed precision (block 1), dim-1 members among dim-0 ones (block 2, gathered into
+    strided parts of the buffer) and the root; ``subgroup``: FSDP over pairs of ranks (4
+    ranks). Returns ``losses``, the final local ``params``, the core's collective counts by
+    kind (``kinds``) and the ``model``: two transports that move the same bytes give the
+    same of each, bit for bit."""
+    import torch
+    from torch.distributed.tensor import Shard
+
+    from .. import MixedPrecisionPolicy, fully_shard
+    from .reference import Transformer, lm_loss, local_slice, token_batch
+
+    torch.manual_seed(0)
+    model = Transformer(vocab=33, dim=12, n_layers=3, hidden=18)  # uneven shards
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mesh = None
+    if subgroup:  # point-to-point in group ranks
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pair", "shard"))["shard"]
+    for i, block in enumerate(model.layers):
+        kwargs = {"mp_policy": mp} if i == 1 else {}
+        if i == 2:
+            kwargs["shard_placement_fn"] = lambda p: (
+                Shard(1) if p.ndim == 2 and p.shape[1] % 4 == 0 else None
+            )
+        fully_shard(block, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh)
+    dim1 = [
+        r.fqn
+        for r in model.sharding_plan()
+        if len(r.global_shape) == 2 and r.local_shape[1] != r.global_shape[1]
+    ]
+    assert dim1 == [
+        "layers.2.attn.wqkv.weight",
+        "layers.2.attn.wo.weight",
+        "layers.2.mlp.w1.weight",
+        "layers.2.mlp.w3.weight",
+    ], dim1
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    with CollectiveCounter() as counter:
+        for step in range(3):
+            x, y = token_batch(step, 8, 5, 33)
+            loss = lm_loss(model(local_slice(x)), local_slice(y))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    return {
+        "losses": losses,
+        "params": [p.detach().to_local().clone() for p in model.parameters()],
+        "kinds": {k: counter.count(k) for k in ("ag", "rs", "ar")},
+        "model": model,
+    }
+
+
+def all_gather_routes_taken(sites: list[tuple[object, str, str]], rows: tuple[str, ...]) -> list:
+    """The routes a transport's all-gathers take by size and layout: spies on ``sites``
+    (``(owner, attribute, label)``; an owner that is a class is spied as a method) while
+    three units gather once on a root made inside: 2304 bytes unsharded, 16640 with every
+    member on dim 0, 16640 with a dim-1 member. Returns the sorted ``(label, bytes)`` pairs;
+    a site labelled in ``rows`` gathers into a list of ``(world, n)`` views."""
+    import torch
+    from torch import nn
+    from torch.distributed.tensor import Shard
+
+    from .. import fully_shard
+
+    calls: set[tuple[str, int]] = set()
+
+    def spy(owner, label, fn):
+        def call(*args, **kwargs):
+            at = args[1:] if isinstance(owner, type) else args  # a method: after self
+            views = at[0] if label in rows else [at[0]]
+            calls.add((label, sum(v.numel() * v.element_size() for v in views)))
+            return fn(*args, **kwargs)
+
+        return call
+
+    saved = [getattr(owner, name) for owner, name, _ in sites]
+    for (owner, name, label), fn in zip(sites, saved):
+        setattr(owner, name, spy(owner, label, fn))
+    try:
+        torch.manual_seed(0)
+        small, big, big_dim1 = nn.Linear(8, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+        fully_shard(small)
+        fully_shard(big)
+        fully_shard(big_dim1, shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)
+        model = nn.Sequential(small, big, big_dim1)
+        fully_shard(model)
+        model(torch.randn(2, 8) + dist.get_rank()).sum().backward()
+        return sorted(calls)
+    finally:
+        for (owner, name, _), fn in zip(sites, saved):
+            setattr(owner, name, fn)

@@ -327,8 +327,8 @@ def simulated_accelerator() -> Iterator[Simulator]:
 
     Comm.__init__ = init
     torch.UntypedStorage.resize_ = tracked_resize
-    # torch.distributed's own collectives, as on an accelerator: no CPU transport plugin
-    # (hyperfsdp-shm reads this at each root's lazy init)
+    # torch.distributed's own collectives, as on an accelerator: neither the core's gloo
+    # routes nor a CPU transport plugin (both read this at each root's lazy init)
     saved_env = os.environ.get(_NATIVE_ENV)
     os.environ[_NATIVE_ENV] = "1"
     try:
@@ -340,7 +340,7 @@ def simulated_accelerator() -> Iterator[Simulator]:
         _restore_env(_NATIVE_ENV, saved_env)
 
 
-#: hyperfsdp-shm supplies no transport while this is "1" (torch.distributed's own)
+#: while this is "1", gloo's own collectives: no core gloo routes, no hyperfsdp-shm transport
 _NATIVE_ENV = "HYPERFSDP_GLOO_NATIVE_COLLECTIVES"
 
 

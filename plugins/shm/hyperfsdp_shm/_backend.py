@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import _shm
-from ._settings import settings
+from ._settings import use_shm
 from ._torch_private import PythonProcessGroup
 
 #: the backend's name, for ``init_process_group``, ``new_group`` and ``init_device_mesh``
@@ -83,7 +83,7 @@ class ShmProcessGroup(PythonProcessGroup):
             # None while it is made: the collectives that make it (and check its order of
             # additions against gloo's) run on gloo
             self._transport = None
-            if settings()[2] and self.size() > 1:
+            if use_shm() and self.size() > 1:
                 self._transport = _shm.ShmGroup.create(self, self.rank(), self.size(), self.timeout)
         return self._transport  # type: ignore[return-value]
 

@@ -7,77 +7,8 @@ the one to adapt.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions, ReduceScatterOptions
-from torch.utils._python_dispatch import _disable_current_modes
-
-
-def dispatch_mode_active() -> bool:
-    """Whether a ``TorchDispatchMode`` (``CommDebugMode``, ``FlopCounterMode``, a tracer) is
-    active on this thread. torch has no public query of the mode stack; this reads its
-    length (one C++ call)."""
-    return torch._C._len_torch_dispatch_stack() > 0  # type: ignore[attr-defined]
-
-
-def modes_set_aside():
-    """A ``with`` block that runs without this thread's dispatch modes (they are back
-    after it): the shared-memory copies, the stand-ins' point-to-point and all-reduce
-    calls and the setup of a shared-memory group are the transport's own workings, which
-    a mode is shown as the one collective FSDP2 issues instead (:func:`show_all_gather`).
-    ``_disable_current_modes`` is the only way to pop the mode stack and restore it."""
-    if torch._C._len_torch_dispatch_stack() == 0:  # type: ignore[attr-defined]
-        return nullcontext()
-    return _disable_current_modes()
-
-
-# torch 2.13 names the single-tensor methods of a ProcessGroup ``all_gather_single`` and
-# ``reduce_scatter_single``; before, they were ``_allgather_base`` and ``_reduce_scatter_base``
-_PG_ALL_GATHER = (
-    getattr(dist.ProcessGroup, "all_gather_single", None) or dist.ProcessGroup._allgather_base
-)
-_PG_REDUCE_SCATTER = (
-    getattr(dist.ProcessGroup, "reduce_scatter_single", None)
-    or dist.ProcessGroup._reduce_scatter_base
-)
-
-
-def _process_group(group) -> dist.ProcessGroup:
-    return dist.group.WORLD if group is None else group  # type: ignore[return-value]
-
-
-def show_all_gather(numel: int, dtype: torch.dtype, group, async_op: bool) -> None:
-    """Show this thread's dispatch modes an all-gather into ``numel`` elements of
-    ``dtype`` over ``group`` as FSDP2 issues it (``c10d._allgather_base_``), moving no
-    data: the op runs on meta tensors of those sizes, whose kernel (torch's
-    ``_meta_registrations``) returns a finished fake work without communicating.
-
-    c10d's own ``ProcessGroup`` method is called (not ``group``'s override, which a
-    ``hyperfsdp_shm`` group has): it is what dispatches the op. The options classes are
-    not exported by ``torch.distributed``.
-    """
-    group = _process_group(group)
-    world = group.size()
-    opts = AllgatherOptions()
-    opts.asyncOp = async_op
-    out = torch.empty(numel, dtype=dtype, device="meta")
-    inp = torch.empty(numel // world, dtype=dtype, device="meta")
-    _PG_ALL_GATHER(group, out, inp, opts)
-
-
-def show_reduce_scatter(numel: int, dtype: torch.dtype, group, op, async_op: bool) -> None:
-    """Like :func:`show_all_gather`, for a reduce-scatter of ``numel`` elements
-    (``c10d._reduce_scatter_base_``) with reduction ``op``."""
-    group = _process_group(group)
-    world = group.size()
-    opts = ReduceScatterOptions()
-    opts.reduceOp = op
-    opts.asyncOp = async_op
-    inp = torch.empty(numel, dtype=dtype, device="meta")
-    out = torch.empty(numel // world, dtype=dtype, device="meta")
-    _PG_REDUCE_SCATTER(group, out, inp, opts)
 
 
 def _forward(name: str, to: str | None = None):

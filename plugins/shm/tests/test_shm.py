@@ -312,10 +312,12 @@ def reduce_scatter_path(ring_order_holds: bool):
     from torch import nn
 
     from hyperfsdp_core import fully_shard
+    from hyperfsdp_core.plugin import GlooTransport
 
     called = []
-    names = ("reduce_scatter_shm", "reduce_scatter_in_place")
-    saved = [getattr(coll, n) for n in names] + [_shm.ShmGroup.check_ring_order]
+    # the core's gloo routes, which the plugin's transport falls back to
+    sites = ((coll, "reduce_scatter_shm"), (GlooTransport, "reduce_scatter"))
+    saved = [getattr(m, n) for m, n in sites] + [_shm.ShmGroup.check_ring_order]
 
     def spy(name, fn):
         def call(*args, **kwargs):
@@ -324,8 +326,8 @@ def reduce_scatter_path(ring_order_holds: bool):
 
         return call
 
-    for n, fn in zip(names, saved):
-        setattr(coll, n, spy(n, fn))
+    for (m, n), fn in zip(sites, saved):
+        setattr(m, n, spy(n, fn))
     if not ring_order_holds:  # as if this gloo cut its ring differently
         _shm.ShmGroup.check_ring_order = lambda self: False
     try:
@@ -337,8 +339,8 @@ def reduce_scatter_path(ring_order_holds: bool):
         (transport,) = root_transport(model)._shm.values()
         return sorted(set(called)), transport.ring_order
     finally:
-        for n, fn in zip(names, saved):
-            setattr(coll, n, fn)
+        for (m, n), fn in zip(sites, saved):
+            setattr(m, n, fn)
         _shm.ShmGroup.check_ring_order = saved[-1]
 
 
@@ -348,5 +350,5 @@ def test_reduce_scatter_over_four_ranks_needs_gloos_order(run_ranks, ring_order_
     # additions was checked equal to gloo's on the group; otherwise gloo's all-reduce stays
     for called, checked in run_ranks(4, reduce_scatter_path, ring_order_holds):
         assert checked is ring_order_holds
-        expect = "reduce_scatter_shm" if ring_order_holds else "reduce_scatter_in_place"
+        expect = "reduce_scatter_shm" if ring_order_holds else "reduce_scatter"
         assert called == [expect]
