@@ -49,7 +49,7 @@ def test_plugins_lists_builtins_with_distribution_and_version(capsys):
     rows = plugin_rows(out)
     for name in BUILTINS:
         assert rows[name] == ("hyperfsdp", VERSION)
-    assert out.startswith(f"hyperfsdp {VERSION}, plugin API 1.1\n")
+    assert out.startswith(f"hyperfsdp {VERSION}, plugin API 1.2\n")
     assert plugin_rows(out, with_api=True)["hsdp"] == ("hyperfsdp-hsdp", VERSION, ">=1.0,<2")
     pm = get_plugin_manager()
     assert set(rows) == {info.name for info in pm.plugin_infos()}
