@@ -40,7 +40,8 @@ TORCH_LOWEST ?= torch==2.11.0
 LOWEST := $(CURDIR)/.venv-lowest/bin/python
 LOWEST_STAMP := $(CURDIR)/.venv-lowest/.hyperfsdp-installed
 SMOKE_TESTS ?= tests/test_parity.py tests/test_uneven.py tests/test_mixed_precision.py \
-	tests/test_collectives.py tests/test_gpu_check.py plugins/offload/tests/test_offload.py
+	tests/test_collectives.py tests/test_gloo_routes.py tests/test_gpu_check.py \
+	plugins/offload/tests/test_offload.py
 $(LOWEST_STAMP): pyproject.toml $(wildcard plugins/*/pyproject.toml)
 	$(PYTHON) -m venv $(CURDIR)/.venv-lowest
 	$(LOWEST) -m pip install -q "$(TORCH_LOWEST)" pluggy attrs pytest pytest-xdist numpy safetensors tqdm
