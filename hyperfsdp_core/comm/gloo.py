@@ -167,6 +167,14 @@ def reduce_scatter_in_place(output, input, op, group, async_op, rank: int, world
     return ThenAfterWait(work, partial(output.copy_, chunk))
 
 
+def _run_shown(run: Callable, show: Callable, *shown):
+    """Show the active dispatch modes ``show(*shown)`` (FSDP2's collective, on meta tensors),
+    then ``run()`` the route with the modes set aside."""
+    show(*shown)
+    with modes_set_aside():
+        return run()
+
+
 class GlooTransport(Transport):
     """torch.distributed's collectives on gloo groups without gloo's full-size buffers (this
     module's routes); torch.distributed's own elsewhere. Public to plugins, to subclass
@@ -216,29 +224,27 @@ class GlooTransport(Transport):
         and the route runs with the modes set aside."""
         if not shown_to_modes():
             return run()
-        show_all_gather(numel, dtype, group, async_op)
-        with modes_set_aside():
-            return run()
+        return _run_shown(run, show_all_gather, numel, dtype, group, async_op)
 
-    @classmethod
-    def shown_rows(cls, run: Callable, rows: list[torch.Tensor], group):
+    @staticmethod
+    def shown_rows(run: Callable, rows: list[torch.Tensor], group):
         """:meth:`shown_all_gather` for a route that gathers into ``rows`` (the ``(world, n)``
         views :meth:`all_gather_rows` is given): shown as the one all-gather FSDP2 issues for
         them (of bytes where the members' dtypes differ)."""
+        if not shown_to_modes():  # the common case: nothing to size
+            return run()
         if len({r.dtype for r in rows}) == 1:
             numel, dtype = sum(r.numel() for r in rows), rows[0].dtype
         else:
             numel, dtype = sum(r.numel() * r.element_size() for r in rows), torch.uint8
-        return cls.shown_all_gather(run, numel, dtype, group, True)
+        return _run_shown(run, show_all_gather, numel, dtype, group, True)
 
     @staticmethod
     def shown_reduce_scatter(run: Callable, numel: int, dtype: torch.dtype, group, op, async_op):
         """Like :meth:`shown_all_gather`, for a reduce-scatter of ``numel`` input elements."""
         if not shown_to_modes():
             return run()
-        show_reduce_scatter(numel, dtype, group, op, async_op)
-        with modes_set_aside():
-            return run()
+        return _run_shown(run, show_reduce_scatter, numel, dtype, group, op, async_op)
 
     # -- the seam ------------------------------------------------------------------------------
     def gather_route(self, group, nbytes: int, rows: bool) -> str:
