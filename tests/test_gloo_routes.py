@@ -8,7 +8,11 @@ import contextlib
 import pytest
 import torch
 
-from hyperfsdp_core.testing.counting import all_gather_routes_taken, train_every_gather_layout
+from hyperfsdp_core.testing.counting import (
+    all_gather_routes_taken,
+    train_every_gather_layout,
+    trainings_match,
+)
 
 
 def root_transport(model):
@@ -105,10 +109,7 @@ def train_with_gloo_collectives(routes: bool, subgroup: bool = False):
 
 
 def gloo_routes_training_is_exact(subgroup=False):
-    a = train_with_gloo_collectives(True, subgroup)
-    b = train_with_gloo_collectives(False, subgroup)
-    same_params = all(torch.equal(_bits_of(x), _bits_of(y)) for x, y in zip(a[1], b[1]))
-    return a[0] == b[0], same_params, a[2] == b[2], a[3], b[3]
+    return trainings_match(train_with_gloo_collectives, subgroup)
 
 
 @pytest.mark.parametrize("world, subgroup", [(2, False), (4, False), (4, True)])

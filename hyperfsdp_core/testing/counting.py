@@ -212,6 +212,21 @@ def train_every_gather_layout(subgroup: bool = False) -> dict:
     }
 
 
+def trainings_match(train, subgroup: bool = False) -> tuple:
+    """Compare ``train(True, subgroup)`` with ``train(False, subgroup)``: two trainings (each
+    returns its losses, final local parameters, collective counts and a tag of the transport
+    it ran on, as from :func:`train_every_gather_layout`) through a route and without it.
+    Returns ``(same losses, same parameters bit for bit, same counts, tag with, tag without)``."""
+    import torch
+
+    a = train(True, subgroup)
+    b = train(False, subgroup)
+    same_params = all(
+        torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a[1], b[1])
+    )
+    return a[0] == b[0], same_params, a[2] == b[2], a[3], b[3]
+
+
 def all_gather_routes_taken(sites: list[tuple[object, str, str]], rows: tuple[str, ...]) -> list:
     """The routes a transport's all-gathers take by size and layout: spies on ``sites``
     (``(owner, attribute, label)``; an owner that is a class is spied as a method) while

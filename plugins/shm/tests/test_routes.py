@@ -5,9 +5,12 @@ route. (The core's gloo routes, which the transport extends: ``tests/test_gloo_r
 import os
 
 import pytest
-import torch
 
-from hyperfsdp_core.testing.counting import all_gather_routes_taken, train_every_gather_layout
+from hyperfsdp_core.testing.counting import (
+    all_gather_routes_taken,
+    train_every_gather_layout,
+    trainings_match,
+)
 
 #: the core's switches (read at each root's lazy init)
 NATIVE, MIN_BYTES = "HYPERFSDP_GLOO_NATIVE_COLLECTIVES", "HYPERFSDP_GLOO_ALL_GATHER_MIN_BYTES"
@@ -30,10 +33,6 @@ def root_transport(model):
     return unit_of(model).root.stash.get(ROOT_TRANSPORT, None)
 
 
-def _bits_of(t):
-    return t.view(torch.uint8)
-
-
 def train_with_gloo_collectives(shm: bool, subgroup: bool = False):
     """``shm``: the plugin's shared memory; else gloo's own (``HYPERFSDP_GLOO_NATIVE_COLLECTIVES``)."""
     from hyperfsdp_shm import _settings as coll
@@ -53,10 +52,7 @@ def train_with_gloo_collectives(shm: bool, subgroup: bool = False):
 
 
 def shm_training_is_exact(subgroup=False):
-    a = train_with_gloo_collectives(True, subgroup)
-    b = train_with_gloo_collectives(False, subgroup)
-    same_params = all(torch.equal(_bits_of(x), _bits_of(y)) for x, y in zip(a[1], b[1]))
-    return a[0] == b[0], same_params, a[2] == b[2], a[3], b[3]
+    return trainings_match(train_with_gloo_collectives, subgroup)
 
 
 @pytest.mark.parametrize("world, subgroup", [(2, False), (4, False), (4, True)])
