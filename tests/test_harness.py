@@ -99,6 +99,32 @@ def observe_state():
     )
 
 
+def make_groups(n: int) -> int:
+    """Make ``n`` process groups over every rank and leave them alive; this process's
+    thread count."""
+    for _ in range(n):
+        group = dist.new_group(list(range(dist.get_world_size())))
+        dist.barrier(group=group)
+    return len(os.listdir("/proc/self/task"))
+
+
+def new_world(store_dir: str) -> int:
+    """Replace the c10d world (as a test of re-initialization does); this process's id."""
+    from datetime import timedelta
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dist.destroy_process_group()
+    store = dist.FileStore(os.path.join(store_dir, "store"), world)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    return os.getpid()
+
+
+def environment(name: str) -> str | None:
+    return os.environ.get(name)
+
+
 def trivial():
     return None
 
@@ -219,6 +245,48 @@ def test_process_state_is_reset_between_calls():
     with pytest.raises(RankFailure, match="left a mess"):
         run_on_ranks(2, dirty_the_process_and_raise, timeout=TIMEOUT)
     assert [r[0] for r in run_on_ranks(2, observe_state, timeout=TIMEOUT)] == [None, None]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_a_pool_left_with_too_many_groups_is_replaced():
+    """Process groups a call leaves behind keep gloo threads polling in the ranks: past
+    ``MAX_THREADS`` the pool is replaced, and the next call runs in fresh processes."""
+    from hyperfsdp_core.testing import pool
+
+    pids = run_on_ranks(2, pid, timeout=TIMEOUT)
+    threads = run_on_ranks(2, make_groups, 2, timeout=TIMEOUT)
+    assert max(threads) <= pool.MAX_THREADS  # a few groups: kept
+    assert run_on_ranks(2, pid, timeout=TIMEOUT) == pids
+    threads = run_on_ranks(2, make_groups, pool.MAX_THREADS // 3, timeout=TIMEOUT)
+    assert min(threads) > pool.MAX_THREADS  # gloo: 3 threads per group
+    new_pids = run_on_ranks(2, pid, timeout=TIMEOUT)
+    assert set(new_pids).isdisjoint(pids)
+    assert not any(_alive(old) for old in pids)  # stopped, not left behind
+    assert max(run_on_ranks(2, make_groups, 0, timeout=TIMEOUT)) < 16
+    assert run_on_ranks(2, all_reduce_sum, timeout=TIMEOUT)[0][2] == 3.0
+
+
+def test_a_pool_whose_world_was_replaced_is_replaced(tmp_path):
+    """A call that re-initializes the c10d world leaves torch's caches of the old one behind:
+    the next call runs in fresh processes."""
+    pids = run_on_ranks(2, new_world, str(tmp_path), timeout=TIMEOUT)
+    new_pids = run_on_ranks(2, pid, timeout=TIMEOUT)
+    assert set(new_pids).isdisjoint(pids)
+    assert run_on_ranks(2, all_reduce_sum, timeout=TIMEOUT)[0][2] == 3.0
+
+
+def test_ranks_take_the_test_process_environment(monkeypatch):
+    """Forked from a server started earlier, a new pool's ranks still see the environment
+    of the test process as it is when the pool starts (as spawned processes would)."""
+    from hyperfsdp_core.testing import close_pools
+
+    close_pools()
+    monkeypatch.setenv("HYPERFSDP_HARNESS_PROBE", "set by the test")
+    try:
+        probe = run_on_ranks(2, environment, "HYPERFSDP_HARNESS_PROBE", timeout=TIMEOUT)
+    finally:
+        close_pools()  # the next tests' ranks start without it
+    assert probe == ["set by the test"] * 2
 
 
 def test_invalid_world_size_is_rejected():

@@ -40,7 +40,13 @@ def current_rank() -> int:
 # -- worker side ---------------------------------------------------------------------------------
 
 
-def _worker_main(rank: int, world_size: int, store_path: str, conn, pg_timeout: float) -> None:
+def _worker_main(
+    rank: int, world_size: int, store_path: str, conn, pg_timeout: float, environ: dict
+) -> None:
+    # a forkserver child starts with the server's environment: take the driver's, as a
+    # spawned process would
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ["HYPERFSDP_TEST_RANK"] = str(rank)
     import warnings
@@ -63,6 +69,7 @@ def _worker_main(rank: int, world_size: int, store_path: str, conn, pg_timeout: 
     # call scans only what tests create (~100 ms -> well under 1 ms per call).
     gc.collect()
     gc.freeze()
+    world = dist.group.WORLD
     conn.send(("ready", rank))
     baseline_env = dict(os.environ)
     while True:
@@ -94,12 +101,33 @@ def _worker_main(rank: int, world_size: int, store_path: str, conn, pg_timeout: 
         finally:
             os.environ.clear()
             os.environ.update(baseline_env)
+        # Retire the pool after a call that replaced the c10d world (torch keeps caches
+        # keyed by mesh layout whose entries would then name groups of the old world), or
+        # that left too many threads behind.
+        retire = dist.group.WORLD is not world or _native_thread_count() > MAX_THREADS
         try:
-            data = pickle.dumps(reply)
+            data = pickle.dumps((reply, retire))
         except Exception as exc:
-            data = pickle.dumps(("error", f"result not picklable: {exc!r}", ""))
+            data = pickle.dumps((("error", f"result not picklable: {exc!r}", ""), retire))
         conn.send_bytes(data)
     dist.destroy_process_group()
+
+
+#: how many threads a rank process may keep across calls before its pool is replaced: every
+#: process group a test makes (a mesh makes one per dimension) keeps gloo threads that go on
+#: polling after the test (measured: 0.002 CPU-s/s per group and process, idle; a world-4
+#: pool of the whole suite ended with ~190 groups, 580 threads per rank). A pool starts
+#: with 4; torch has no public way to list the groups, and threads are what cost. (A pool
+#: is replaced, too, after a call that replaced the c10d world.)
+MAX_THREADS = 64
+
+
+def _native_thread_count() -> int:
+    """This process's threads, native ones included (0 where ``/proc`` does not say)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
 
 
 def _resolve(module_name: str, path: str | None, qualname: str) -> Callable:
@@ -135,20 +163,41 @@ def _reset_process_state(torch) -> None:
 # -- driver side -----------------------------------------------------------------------------------
 
 
+#: what the forkserver of :func:`run_on_ranks`'s processes imports once, so that each rank
+#: starts as a fork of it (~10 ms) instead of a fresh interpreter importing torch (~2 s CPU)
+PRELOAD = ("torch", "torch.distributed", "hyperfsdp_core")
+
+
+def _preloaded_context():
+    """A ``forkserver`` context whose server has imported :data:`PRELOAD` (``spawn`` where
+    the platform has no forkserver). The server is a fresh interpreter started on first
+    use, so nothing of the driver's state (patched modules, threads) reaches the ranks."""
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return get_context("spawn")
+    ctx = get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
 def spawn_ranks(
     world_size: int,
     target: Callable[..., object],
     args: Callable[[int, Connection], tuple],
     name: Callable[[int], str],
+    preloaded: bool = False,
 ) -> tuple[list[Connection], list[BaseProcess]]:
     """Start ``world_size`` daemon processes (``spawn``), each with a pipe to this one: rank
     ``r``'s runs ``target(*args(r, conn))``, ``conn`` being its end of the pipe, under the
     process name ``name(r)``. Returns this process's ends of the pipes and the processes,
     in rank order.
 
-    The rank processes of :func:`run_on_ranks` and of the benchmark suite start so.
+    The rank processes of the benchmark suite start so (fresh interpreters: nothing shared
+    that would blur their memory figures); ``preloaded=True`` forks them from a server that
+    has imported torch (:func:`_preloaded_context`), as :func:`run_on_ranks` does.
     """
-    ctx = get_context("spawn")
+    ctx = _preloaded_context() if preloaded else get_context("spawn")
     conns, procs = [], []
     for rank in range(world_size):
         parent, child = ctx.Pipe()
@@ -175,11 +224,13 @@ class RankPool:
         self.world_size = world_size
         self._tmp = tempfile.TemporaryDirectory(prefix="hyperfsdp-pool-")
         store_path = os.path.join(self._tmp.name, "store")
+        environ = dict(os.environ)
         self.conns, self.procs = spawn_ranks(
             world_size,
             _worker_main,
-            lambda rank, conn: (rank, world_size, store_path, conn, pg_timeout),
+            lambda rank, conn: (rank, world_size, store_path, conn, pg_timeout, environ),
             lambda rank: f"hyperfsdp-rank{rank}-of-{world_size}",
+            preloaded=True,
         )
         deadline = time.monotonic() + STARTUP_TIMEOUT
         for rank, conn in enumerate(self.conns):
@@ -213,6 +264,7 @@ class RankPool:
             conn.send(header)
             conn.send_bytes(payload)
         results: dict[int, tuple] = {}
+        retire = False
         pending = dict(enumerate(self.conns))
         deadline = time.monotonic() + timeout
         failed_at = None
@@ -225,7 +277,8 @@ class RankPool:
             for conn in ready:
                 rank = self.conns.index(conn)
                 try:
-                    results[rank] = pickle.loads(conn.recv_bytes())
+                    results[rank], retired = pickle.loads(conn.recv_bytes())
+                    retire = retire or retired
                 except (EOFError, OSError):
                     self.procs[rank].join(timeout=5)  # reap it, so that the exit code is known
                     code = self.procs[rank].exitcode
@@ -236,6 +289,10 @@ class RankPool:
         errors = sorted((r, res) for r, res in results.items() if res[0] == "error")
         if pending:
             self.close(stuck=pending)  # the pool cannot be reused
+        elif retire:
+            # fresh processes (a fork each) for the next call; every rank has answered, so
+            # none is inside a collective and none need wait
+            self.close(stuck=range(self.world_size))
         if errors:
             rank, (_, summary, tb) = errors[0]
             others = "".join(f"\n(rank {r} also failed: {res[1]})" for r, res in errors[1:])
@@ -305,7 +362,8 @@ def run_on_ranks(
         return pool.run(fn, args, kwargs, timeout)
     finally:
         if not pool.alive or not pool.conns:
-            # A rank died or hung: stop the survivors too, or they would linger.
+            # A rank died or hung (stop the survivors too, or they would linger), or the
+            # pool was retired (a new c10d world, or too many threads).
             pool.close()
             _pools.pop(world_size, None)
 
