@@ -11,7 +11,9 @@ apart and installed, it adds ``hyperfsdp bench`` as a plugin adds a command.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.metadata
+import json
 import os
 import re
 import shutil
@@ -73,43 +75,58 @@ def _reuse_folder(folder: Path) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
-def source(tmp_path_factory) -> Path:
-    # setuptools builds in the source tree: build from a copy of it, so that test runs
-    # (xdist workers, CI) never share a build folder
-    source = tmp_path_factory.mktemp("source") / "hyperfsdp"
+def _built_once(tmp_path_factory, name: str, build) -> Path:
+    """``build(folder)`` once per test session, its folder shared by the xdist workers (the
+    first to come builds; the others wait and reuse it). One lock for every build: they
+    share the copy of the source tree, and setuptools builds inside it."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the session's folder, above each worker's own
+    folder = base / name
+    with open(base / "test_install.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / ".built").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            (folder / ".built").touch()
+    return folder
+
+
+def _copy_source(folder: Path) -> None:
+    # setuptools builds in the source tree: build from a copy of it, never in the checkout
     shutil.copytree(
         ROOT,
-        source,
+        folder / "hyperfsdp",
         ignore=shutil.ignore_patterns(
             ".git", ".venv*", "dist", "build", "*.egg-info", "__pycache__", "results"
         ),
     )
-    return source
 
 
-@pytest.fixture(scope="module")
-def wheels(source, tmp_path_factory) -> Path:
-    dist = tmp_path_factory.mktemp("dist")
-    proc = subprocess.run(
-        ["make", "-s", "-C", str(source), "wheels", f"DIST_DIR={dist}", f"PY={sys.executable}"],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
+def _build(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return dist
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
+def source(tmp_path_factory) -> Path:
+    return _built_once(tmp_path_factory, "source", _copy_source) / "hyperfsdp"
+
+
+@pytest.fixture(scope="session")
+def wheels(source, tmp_path_factory) -> Path:
+    """``make dist``'s wheels (the core's and every plugin's)."""
+    make = ["make", "-s", "-C", str(source), "wheels", f"PY={sys.executable}"]
+    return _built_once(tmp_path_factory, "dist", lambda out: _build([*make, f"DIST_DIR={out}"]))
+
+
+@pytest.fixture(scope="session")
 def bench_wheel(source, tmp_path_factory) -> Path:
     """The benchmark suite's wheel, built apart from ``make dist``'s (from the same copy)."""
-    out = tmp_path_factory.mktemp("bench_dist")
     build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-             "-w", str(out), str(source / "benchmarks")]  # fmt: skip
-    proc = subprocess.run(build, capture_output=True, text=True, timeout=TIMEOUT)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return out
+             str(source / "benchmarks")]  # fmt: skip
+    return _built_once(tmp_path_factory, "bench_dist", lambda out: _build([*build, "-w", str(out)]))
 
 
 def _fresh_env(tmp: Path, wheels: Path, requirement: str) -> Path:
@@ -251,39 +268,23 @@ SMOKE = textwrap.dedent(
 )
 
 
-def _check_install(
-    tmp: Path, wheels: Path, extras: list[str], requested: str = "", demo: bool = True
-) -> None:
+def _check_install(tmp: Path, wheels: Path, extras: list[str], requested: str = "") -> Path:
+    """Install ``hyperfsdp[requested]`` (default: the extras) from the wheels into a fresh
+    environment: the package comes from there, and the plugins it lists are the extras'.
+    Returns the environment's interpreter and leaves a working folder ``tmp/work``."""
     python = _fresh_env(tmp, wheels, f"hyperfsdp[{requested or ','.join(extras)}]")
     work = tmp / "work"  # outside the checkout: nothing importable by accident
     work.mkdir()
     where = _run(python, "-c", "import hyperfsdp_core; print(hyperfsdp_core.__file__)", cwd=work)
     assert str(tmp) in where.stdout, where.stdout + where.stderr  # the wheel, not the checkout
 
-    (work / "smoke.py").write_text(SMOKE)
-    proc = _run(python, "smoke.py", cwd=work)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    import json
-
-    names, runs = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert sorted(names) == sorted(extras)
-    assert all(kinds == ["DTensor"] for kinds in runs.values()), runs
-
     plugins = _run(python, "-m", "hyperfsdp_core", "plugins", cwd=work)
     assert plugins.returncode == 0, plugins.stderr
+    listed = re.findall(r"^\s+(\S+)\s+hyperfsdp-\S+\s", plugins.stdout, re.MULTILINE)
+    assert sorted(listed) == sorted(extras), plugins.stdout
     for extra in extras:
         assert re.search(rf"^\s+{extra}\s+{EXTRAS[extra]}\s", plugins.stdout, re.MULTILINE)
-
-    if demo:
-        out = _run(python, "-m", "hyperfsdp_core", "demo", "--world-size", "2", "--steps", "2",
-                   "--layers", "1", "--dim", "16", cwd=work)  # fmt: skip
-        assert out.returncode == 0, out.stdout + out.stderr
-        assert "parity with the single-process reference: OK" in out.stdout
-
-    helptext = _run(python, "-m", "hyperfsdp_core", "--help", cwd=work).stdout
-    assert " bench " not in helptext  # the benchmark suite is a distribution of its own
-    bench = _run(python, "-m", "hyperfsdp_core", "bench", cwd=work)
-    assert bench.returncode == 2 and "invalid choice: 'bench'" in bench.stderr
+    return python
 
 
 def _available(wheels: Path, extras: tuple[str, ...]) -> list[str]:
@@ -292,9 +293,11 @@ def _available(wheels: Path, extras: tuple[str, ...]) -> list[str]:
 
 
 def test_tp_hsdp_extras_install_from_wheels(wheels, tmp_path):
+    """``pip install hyperfsdp[tp,hsdp]`` installs those two plugins and no other (they
+    train in the smoke run of the ``all`` extra, below)."""
     extras = _available(wheels, ("tp", "hsdp"))
     assert extras == ["tp", "hsdp"]
-    _check_install(tmp_path, wheels, extras, demo=False)  # the demo: with every plugin, below
+    _check_install(tmp_path, wheels, extras)
 
 
 def test_wheels_are_built_for_the_core_and_every_plugin(wheels):
@@ -311,9 +314,30 @@ def test_wheels_are_built_for_the_core_and_every_plugin(wheels):
 
 
 def test_all_extra_installs_every_plugin_from_wheels(wheels, tmp_path):
+    """``hyperfsdp[all]``: every plugin, each through a 2-rank smoke run; the demo and the
+    ``hyperfsdp`` command work, without ``bench`` (a distribution of its own)."""
     extras = ["dcp", "hsdp", "offload", "qcomm", "shm", "tp"]
     assert _available(wheels, tuple(extras)) == extras
-    _check_install(tmp_path, wheels, extras, requested="all")
+    python = _check_install(tmp_path, wheels, extras, requested="all")
+    work = tmp_path / "work"
+
+    (work / "smoke.py").write_text(SMOKE)
+    proc = _run(python, "smoke.py", cwd=work)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names, runs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert sorted(names) == sorted(extras)
+    assert sorted(runs) == sorted(["core", *extras])
+    assert all(kinds == ["DTensor"] for kinds in runs.values()), runs
+
+    out = _run(python, "-m", "hyperfsdp_core", "demo", "--world-size", "2", "--steps", "2",
+               "--layers", "1", "--dim", "16", cwd=work)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "parity with the single-process reference: OK" in out.stdout
+
+    helptext = _run(python, "-m", "hyperfsdp_core", "--help", cwd=work).stdout
+    assert " bench " not in helptext  # the benchmark suite is a distribution of its own
+    bench = _run(python, "-m", "hyperfsdp_core", "bench", cwd=work)
+    assert bench.returncode == 2 and "invalid choice: 'bench'" in bench.stderr
 
 
 def test_bench_wheel_adds_the_bench_command(wheels, bench_wheel, tmp_path):
