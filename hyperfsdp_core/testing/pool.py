@@ -12,7 +12,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable
 from datetime import timedelta
-from multiprocessing import connection, get_context
+from multiprocessing import connection, get_all_start_methods, get_context
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -172,9 +172,7 @@ def _preloaded_context():
     """A ``forkserver`` context whose server has imported :data:`PRELOAD` (``spawn`` where
     the platform has no forkserver). The server is a fresh interpreter started on first
     use, so nothing of the driver's state (patched modules, threads) reaches the ranks."""
-    import multiprocessing
-
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    if "forkserver" not in get_all_start_methods():
         return get_context("spawn")
     ctx = get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))
