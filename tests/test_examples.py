@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,16 +33,19 @@ def torchrun(tmp_path: Path, *args: str) -> list[tuple[int, float]]:
 
 def test_train_llama_learns_and_resumes_from_its_checkpoint(tmp_path):
     (tmp_path / "a").mkdir()
-    whole = torchrun(tmp_path / "a", "--steps", "6")
+    ckpt = tmp_path / "ckpt"
+    # checkpoints at steps 3 and 6; saving them leaves the curve alone (compared below)
+    whole = torchrun(tmp_path / "a", "--steps", "6", "--ckpt", str(ckpt), "--every", "3")
     assert [s for s, _ in whole] == [1, 2, 3, 4, 5, 6]
     assert whole[-1][1] < whole[0][1] - 0.1  # the synthetic sequences are learnable
+    assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-3", "step-6"]
+    # a job that stopped after step 3's checkpoint: a fresh job resumes from it
+    shutil.rmtree(ckpt / "step-6")
     (tmp_path / "b").mkdir()
-    ckpt = str(tmp_path / "ckpt")
-    first = torchrun(tmp_path / "b", "--steps", "3", "--ckpt", ckpt, "--every", "3")
-    resumed = torchrun(tmp_path / "b", "--steps", "6", "--ckpt", ckpt, "--every", "3")
-    assert [s for s, _ in first + resumed] == [1, 2, 3, 1, 2, 3, 4, 5, 6]  # file appended
-    # resumed from step 3: model, optimizer, scheduler restored, the same curve
-    for (step, loss), (_, expected) in zip(resumed[3:], whole[3:]):
+    resumed = torchrun(tmp_path / "b", "--steps", "6", "--ckpt", str(ckpt), "--every", "3")
+    assert [s for s, _ in resumed] == [4, 5, 6]
+    # model, optimizer and scheduler restored: the uninterrupted curve
+    for (step, loss), (_, expected) in zip(resumed, whole[3:]):
         assert abs(loss - expected) <= 1e-6 * abs(expected), step
 
 
