@@ -172,3 +172,33 @@ def test_the_simulator_catches_an_event_recorded_before_the_optimizer(run_ranks)
     assert any("on all_gather reads memory that aten." in v for v in out["violations"]), out[
         "violations"
     ][:5]
+
+
+def test_the_simulator_forgets_writes_into_freed_memory():
+    """A side stream's output is a write the other streams must wait for while its memory
+    lives. Once it is freed, the host allocator may hand its address to memory allocated
+    where the simulator does not look (a collective's own buffer: gloo's
+    ``reduce_scatter_tensor`` on torch 2.11 copies out of one at ``wait()``), and reading
+    that is not reading the old write. A live output read without a wait still is one."""
+    from hyperfsdp_core._torch_private import modes_set_aside
+
+    with simulated_accelerator() as sim:
+        side = sim.Stream()
+        x = torch.ones(4096)
+        reused = 0
+        for _ in range(20):
+            with sim.stream(side):
+                out = x.to(torch.bfloat16)
+            start, end = out.data_ptr(), out.data_ptr() + out.nbytes
+            del out
+            with modes_set_aside():  # memory the simulator does not see allocated
+                unseen = torch.empty(4096, dtype=torch.bfloat16)
+            reused += start < unseen.data_ptr() + unseen.nbytes and unseen.data_ptr() < end
+            unseen.clone()  # on the current stream
+        assert reused, "the host allocator never handed a freed output's memory back"
+        assert sim.violations == []
+        with sim.stream(side):
+            live = x.to(torch.bfloat16)
+        live.clone()  # no wait for the side stream
+        assert len(sim.violations) == 1, sim.violations
+        assert "clone.default on current reads memory that aten._to_copy" in sim.violations[0]

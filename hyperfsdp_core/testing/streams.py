@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
+from collections import deque
 from collections.abc import Iterator
 
 import torch
@@ -108,6 +109,16 @@ def _span(t: torch.Tensor) -> tuple[int, int] | None:
     return start, start + extent * t.element_size()
 
 
+def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    """The storage holding ``t``'s elements (a DTensor's shard's); None: it has none."""
+    if isinstance(t, DTensor):
+        t = dtensor_local_tensor(t)
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):  # a wrapper subclass
+        return None
+
+
 def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
     return a[0] < b[1] and b[0] < a[1]
 
@@ -133,14 +144,19 @@ class Simulator(TorchDispatchMode):
         self.ops = 0
         #: (op index, collective, stream name, clock) of every collective, in issue order
         self.collectives: list[tuple[int, str, str, dict]] = []
-        # last writes, by start address: (end, stream, clock, what); the default stream's
-        # are checked against reads on side streams only, side streams' against every read
-        self._default_writes: dict[int, tuple[int, SimStream, dict, str]] = {}
-        self._side_writes: dict[int, tuple[int, SimStream, dict, str]] = {}
+        # last writes, by start address: (end, stream, clock, what, record number); the default
+        # stream's are checked against reads on side streams only, side streams' against
+        # every read
+        self._default_writes: dict[int, tuple[int, SimStream, dict, str, int]] = {}
+        self._side_writes: dict[int, tuple[int, SimStream, dict, str, int]] = {}
         # live allocations under the default stream: start -> (end, clock)
         self._default_allocs: dict[int, tuple[int, dict]] = {}
         # live allocations under side streams: start -> (end, owner, {stream: last use})
         self._side_allocs: dict[int, tuple[int, SimStream, dict]] = {}
+        self._records = 0  # writes recorded so far: what came before a free, what after
+        # side streams' outputs whose memory was freed, as (span, record number then):
+        # appended by finalizers on whichever thread frees them, handled by the next op
+        self._freed_outputs: deque[tuple[tuple[int, int], int]] = deque()
 
     # -- the device module surface ---------------------------------------------------------
     def Stream(self, device=None, priority: int = 0) -> SimStream:
@@ -180,7 +196,7 @@ class Simulator(TorchDispatchMode):
         if stream is not self.default:
             tables = (self._side_writes, self._default_writes)
         for table in tables:
-            for start, (end, writer, at, wrote) in table.items():
+            for start, (end, writer, at, wrote, _) in table.items():
                 if _overlaps(span, (start, end)) and not stream.after(at, writer):
                     self._violation(
                         f"{what} on {stream.name} reads memory that {wrote} on "
@@ -196,14 +212,15 @@ class Simulator(TorchDispatchMode):
                         f"{what} on {stream.name} writes memory allocated under "
                         f"{self.default.name} without waiting for it as of the allocation"
                     )
-            for start, (end, writer, at, wrote) in self._default_writes.items():
+            for start, (end, writer, at, wrote, _) in self._default_writes.items():
                 if _overlaps(span, (start, end)) and not stream.after(at, writer):
                     self._violation(
                         f"{what} on {stream.name} overwrites memory that {wrote} on "
                         f"{writer.name} wrote, without waiting for it"
                     )
         table = self._default_writes if stream is self.default else self._side_writes
-        table[span[0]] = (span[1], stream, clock, what)
+        self._records += 1
+        table[span[0]] = (span[1], stream, clock, what, self._records)
         self._use(span, stream, clock)
 
     def allocated(self, span: tuple[int, int], owner: object = None) -> None:
@@ -220,16 +237,42 @@ class Simulator(TorchDispatchMode):
         if owner is not None:
             weakref.finalize(owner, self.freed, span[0])
 
-    def _fresh(self, span: tuple[int, int], stream: SimStream, clock: dict, what: str) -> None:
-        """An operation's output in memory it allocated itself. On CPU the host allocator
-        hands addresses across streams, so what is recorded about earlier memory there is
-        dropped; a side stream's output is a write the other streams must wait for."""
+    def _fresh(
+        self, t: torch.Tensor, span: tuple[int, int], stream: SimStream, clock: dict, what: str
+    ) -> None:
+        """An operation's output ``t`` in memory it allocated itself. On CPU the host
+        allocator hands addresses across streams, so what is recorded about earlier memory
+        there is dropped; a side stream's output is a write the other streams must wait
+        for, until its memory is freed. Freed, the host allocator may hand the address to
+        memory allocated where the simulator does not see it (a collective's own buffers:
+        gloo's ``reduce_scatter_tensor`` on torch 2.11 copies out of one at ``wait()``), and
+        a read there is not a read of that write; on a device the block would go back to
+        the side stream's pool."""
         tables: tuple[dict, ...] = (self._side_writes, self._side_allocs)
         if stream is not self.default:
             tables += (self._default_writes, self._default_allocs)
         _forget(span, *tables)
         if stream is not self.default:
-            self._side_writes[span[0]] = (span[1], stream, clock, what)
+            self._records += 1
+            self._side_writes[span[0]] = (span[1], stream, clock, what, self._records)
+            storage = _storage(t)
+            if storage is not None:
+                weakref.finalize(storage, self._output_freed, span)
+
+    def _output_freed(self, span: tuple[int, int]) -> None:
+        self._freed_outputs.append((span, self._records))  # any thread
+
+    def _forget_freed_outputs(self) -> None:
+        """Drop the writes into side streams' outputs freed since the last operation:
+        those recorded while the memory was theirs (by record number), not newer ones."""
+        freed = self._freed_outputs
+        while freed:
+            span, at = freed.popleft()
+            for table in (self._side_writes, self._default_writes):
+                for start in [
+                    s for s, e in table.items() if e[4] <= at and _overlaps(span, (s, e[0]))
+                ]:
+                    del table[start]
 
     def freed(self, start: int) -> None:
         default = self._default_allocs.pop(start, None)
@@ -251,6 +294,8 @@ class Simulator(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self._freed_outputs:
+            self._forget_freed_outputs()
         stream = self._current
         clock = stream.enqueue()
         self.ops += 1
@@ -291,7 +336,7 @@ class Simulator(TorchDispatchMode):
                 if ret.alias_info is None and isinstance(t, torch.Tensor):
                     span = _span(t)
                     if span is not None:
-                        self._fresh(span, stream, clock, name)
+                        self._fresh(t, span, stream, clock, name)
         for t in written:
             span = _span(t)
             if span is not None:
