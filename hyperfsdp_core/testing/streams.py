@@ -109,16 +109,6 @@ def _span(t: torch.Tensor) -> tuple[int, int] | None:
     return start, start + extent * t.element_size()
 
 
-def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
-    """The storage holding ``t``'s elements (a DTensor's shard's); None: it has none."""
-    if isinstance(t, DTensor):
-        t = dtensor_local_tensor(t)
-    try:
-        return t.untyped_storage()
-    except (RuntimeError, NotImplementedError, TypeError):  # a wrapper subclass
-        return None
-
-
 def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
     return a[0] < b[1] and b[0] < a[1]
 
@@ -255,9 +245,9 @@ class Simulator(TorchDispatchMode):
         if stream is not self.default:
             self._records += 1
             self._side_writes[span[0]] = (span[1], stream, clock, what, self._records)
-            storage = _storage(t)
-            if storage is not None:
-                weakref.finalize(storage, self._output_freed, span)
+            # ``span`` is not None: ``t`` (a DTensor's shard) has storage
+            local = dtensor_local_tensor(t) if isinstance(t, DTensor) else t
+            weakref.finalize(local.untyped_storage(), self._output_freed, span)
 
     def _output_freed(self, span: tuple[int, int]) -> None:
         self._freed_outputs.append((span, self._records))  # any thread
