@@ -484,3 +484,44 @@ def test_bench_counts_copies_and_allocations_of_both_fsdps(run_ranks):
         for counts in (ours, fsdp2):
             assert counts["allocs"] > 0
             assert counts["alloc_bytes"] >= gathered  # every gather's unsharded buffer
+
+
+def test_copies_table_reports_rss_growth_beside_fsdp2():
+    """The memory table shows each rank's RSS growth over its start (the interpreter, torch
+    and the process group left out) and its ratio to the reference's, beside peak RSS."""
+
+    def copies(peak_rss, start, copied):
+        return _impl(
+            1.0,
+            0.9,
+            0.1,
+            peak_rss_bytes=peak_rss,
+            rss_at_start_bytes=start,
+            copy_bytes_per_step=copied * MiB,
+            copy_bytes_by_op_per_step={"aten::copy_": copied * MiB},
+            allocs_per_step=100,
+            alloc_bytes_per_step=10 * MiB,
+        )
+
+    res = {
+        "case": "bf16 w2 L8",
+        "config": "bf16",
+        "world_size": 2,
+        "layers": 8,
+        "impls": {
+            # rank 1 grows the most (330 MiB) though rank 0 has the higher peak
+            "hyperfsdp": copies([560 * MiB, 550 * MiB], [270 * MiB, 220 * MiB], 40),
+            "fsdp2": copies([630 * MiB, 590 * MiB], [270 * MiB, 270 * MiB], 80),
+        },
+    }
+    suite._add_ratios(res)
+    assert report.rss_growth(res["impls"]["hyperfsdp"]) == 330 * MiB
+    assert report.rss_growth({"peak_rss_bytes": [600 * MiB]}) is None  # no start measured
+    rows = {
+        line.split()[3]: line.split()[4:]
+        for line in report.copies_table({"cases": [res]}).splitlines()
+        if line.startswith("bf16")
+    }
+    # after the case and impl: time x, peak RSS, RSS x, growth MiB, growth x, ...
+    assert rows["hyperfsdp"][1:5] == ["560", "0.89x", "330", "0.92x"]
+    assert rows["fsdp2"][1:5] == ["630", "1.00x", "360", "1.00x"]

@@ -14,6 +14,14 @@ def peak_over_ranks(r: dict, key: str) -> int | None:
     return max((x for x in r.get(key, []) if x), default=None)
 
 
+def rss_growth(r: dict) -> int | None:
+    """The largest per-rank growth of resident memory: a rank's peak RSS in the timed steps
+    minus its RSS when it started (interpreter, torch and the process group, before the
+    model is built: the same for every implementation), or None where not measured."""
+    pairs = zip(r.get("peak_rss_bytes", []), r.get("rss_at_start_bytes", []))
+    return max((peak - start for peak, start in pairs if peak and start), default=None)
+
+
 def _f(x, fmt: str = ".3f", none: str = "-") -> str:
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return none
@@ -314,6 +322,8 @@ def copies_table(results: dict, markdown: bool = False) -> str:
         "time xFSDP2",
         "peak RSS MiB",
         "RSS xFSDP2",
+        "RSS growth MiB",
+        "growth xFSDP2",
         "peak heap xFSDP2",
         "MiB copied/step",
         "copies xFSDP2",
@@ -342,6 +352,7 @@ def copies_table(results: dict, markdown: bool = False) -> str:
                 return _ratio(a / b) if a and b else "-"
 
             peak = peak_over_ranks(r, "peak_rss_bytes")
+            growth, ref_growth = rss_growth(r), rss_growth(ref or {})
             ops = sorted(r["copy_bytes_by_op_per_step"].items(), key=lambda kv: -kv[1])
             by_op = ", ".join(f"{_short_op(k)} {v / MiB:.1f}" for k, v in ops[:4] if v >= MiB / 10)
             rows.append(
@@ -351,6 +362,8 @@ def copies_table(results: dict, markdown: bool = False) -> str:
                     _ratio(r.get("ratio_vs_fsdp2")),
                     _f(peak / MiB if peak else None, ".0f"),
                     peak_rel("peak_rss_bytes"),
+                    _f(growth / MiB if growth else None, ".0f"),
+                    _ratio(growth / ref_growth) if growth and ref_growth else "-",
                     peak_rel("peak_heap_bytes"),
                     _f(r["copy_bytes_per_step"] / MiB, ".1f"),
                     rel("copy_bytes_per_step"),
@@ -360,7 +373,7 @@ def copies_table(results: dict, markdown: bool = False) -> str:
                     by_op or "-",
                 ]
             )
-    return _table(headers, rows, markdown, right=set(range(2, 11)))
+    return _table(headers, rows, markdown, right=set(range(2, 13)))
 
 
 def timeline_table(results: dict, markdown: bool = False) -> str:
