@@ -113,11 +113,16 @@ def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
     return a[0] < b[1] and b[0] < a[1]
 
 
-def _forget(span: tuple[int, int], *tables: dict) -> None:
+def _forget(span: tuple[int, int], *tables: dict, recorded_by: int | None = None) -> None:
     """Drop the entries (keyed by start address, ``end`` first in the value) of ``tables``
-    that overlap ``span``."""
+    that overlap ``span``; with ``recorded_by``, only the writes recorded by then (record
+    number last in the value)."""
     for table in tables:
-        for start in [s for s, entry in table.items() if _overlaps(span, (s, entry[0]))]:
+        for start in [
+            s
+            for s, entry in table.items()
+            if _overlaps(span, (s, entry[0])) and (recorded_by is None or entry[-1] <= recorded_by)
+        ]:
             del table[start]
 
 
@@ -258,11 +263,7 @@ class Simulator(TorchDispatchMode):
         freed = self._freed_outputs
         while freed:
             span, at = freed.popleft()
-            for table in (self._side_writes, self._default_writes):
-                for start in [
-                    s for s, e in table.items() if e[4] <= at and _overlaps(span, (s, e[0]))
-                ]:
-                    del table[start]
+            _forget(span, self._side_writes, self._default_writes, recorded_by=at)
 
     def freed(self, start: int) -> None:
         default = self._default_allocs.pop(start, None)
