@@ -207,7 +207,8 @@ def dp_mesh_dims_without_tp_plugin():
 
 #: torch's FSDP2 has DataParallelMeshDims from torch 2.13
 needs_torch_dp_mesh_dims = pytest.mark.skipif(
-    "DataParallelMeshDims" not in TORCH_FSDP2, reason="this torch's FSDP2 has no DataParallelMeshDims"
+    "DataParallelMeshDims" not in TORCH_FSDP2,
+    reason="this torch's FSDP2 has no DataParallelMeshDims",
 )
 
 
@@ -284,7 +285,10 @@ def test_every_public_fsdp2_name_is_switched():
 
 def test_switch_points_torch_names_at_hyperfsdp_and_restores():
     before = {ns: _names(ns) for ns in NAMESPACES}
-    assert all(before["torch.distributed.fsdp"][n] is TORCH_FSDP2[n] for n in before["torch.distributed.fsdp"])
+    assert all(
+        before["torch.distributed.fsdp"][n] is TORCH_FSDP2[n]
+        for n in before["torch.distributed.fsdp"]
+    )
     switch = use_as_fsdp2()
     try:
         assert switch.active

@@ -400,7 +400,10 @@ def test_private_torch_names_only_in_torch_private_modules():
     [
         ("from torch.utils._pytree import tree_map\n", "torch.utils._pytree.tree_map"),
         ("import torch\ntorch._foreach_copy_([], [])\n", "torch._foreach_copy_"),
-        ("import torch.distributed as dist\ndist._make_nccl_premul_sum\n", "torch.distributed._make_nccl_premul_sum"),
+        (
+            "import torch.distributed as dist\ndist._make_nccl_premul_sum\n",
+            "torch.distributed._make_nccl_premul_sum",
+        ),
         ("def f(t):\n    return t.untyped_storage()._cdata\n", "._cdata"),
         ("def f(t):\n    return getattr(t, '_local_tensor', None)\n", "_local_tensor"),
     ],

@@ -230,4 +230,3 @@ def flatten(state: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in state.items():
         visit((str(key),), value)
     return out
-
