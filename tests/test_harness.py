@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import statistics
 import time
 
@@ -58,6 +59,12 @@ def hang_on_rank_1():
 def die_on_rank_1():
     if dist.get_rank() == 1:
         os._exit(3)
+    return dist.get_rank()
+
+
+def segfault_on_rank_1():
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGSEGV)  # what a crash in native code delivers
     return dist.get_rank()
 
 
@@ -205,6 +212,16 @@ def test_dead_rank_is_reported_and_the_pool_is_rebuilt():
         while _alive(old) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not _alive(old), f"rank process {old} of the broken pool is still running"
+
+
+def test_a_rank_killed_by_a_signal_reports_its_stacks():
+    with pytest.raises(RankFailure) as info:
+        run_on_ranks(2, segfault_on_rank_1, timeout=TIMEOUT)
+    message = str(info.value)
+    assert "rank 1 process died (exit code -11)" in message
+    assert "Segmentation fault" in message  # faulthandler's report, read from its file
+    assert "in segfault_on_rank_1" in message  # the Python frame it died in
+    assert run_on_ranks(2, trivial, timeout=TIMEOUT) == [None, None]  # the pool was rebuilt
 
 
 def _alive(process_id: int) -> bool:

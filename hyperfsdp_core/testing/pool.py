@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import importlib.util
 import os
 import pickle
@@ -52,6 +53,10 @@ def _worker_main(
     import warnings
 
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    # A rank killed by a signal (a segfault in native code) cannot answer over its pipe, and
+    # its stderr belongs to whichever test started the pool: write every thread's Python
+    # stack to a file the driver reads into the RankFailure instead.
+    faulthandler.enable(open(_fault_log(store_path, rank), "w"), all_threads=True)  # noqa: SIM115
     import torch
     import torch.distributed as dist
 
@@ -111,6 +116,20 @@ def _worker_main(
             data = pickle.dumps((("error", f"result not picklable: {exc!r}", ""), retire))
         conn.send_bytes(data)
     dist.destroy_process_group()
+
+
+def _fault_log(store_path: str, rank: int) -> str:
+    return f"{store_path}.rank{rank}.fault"
+
+
+def _fault_report(store_path: str, rank: int) -> str:
+    """What ``faulthandler`` wrote for ``rank`` (its threads' stacks when a signal killed
+    it), or ``""``."""
+    try:
+        with open(_fault_log(store_path, rank)) as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 #: how many threads a rank process may keep across calls before its pool is replaced: every
@@ -221,7 +240,7 @@ class RankPool:
     def __init__(self, world_size: int, pg_timeout: float = DEFAULT_TIMEOUT) -> None:
         self.world_size = world_size
         self._tmp = tempfile.TemporaryDirectory(prefix="hyperfsdp-pool-")
-        store_path = os.path.join(self._tmp.name, "store")
+        store_path = self._store_path = os.path.join(self._tmp.name, "store")
         environ = dict(os.environ)
         self.conns, self.procs = spawn_ranks(
             world_size,
@@ -242,10 +261,11 @@ class RankPool:
             except (EOFError, OSError):
                 self.procs[rank].join(timeout=5)
                 code = self.procs[rank].exitcode
+                fault = _fault_report(store_path, rank)
                 self.close()
                 raise RankFailure(
                     f"rank {rank} of {world_size} died while starting (exit code {code}); "
-                    "its error is above, on stderr"
+                    + (f"its stacks:\n{fault}" if fault else "its error is above, on stderr")
                 ) from None
 
     def run(self, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
@@ -280,7 +300,8 @@ class RankPool:
                 except (EOFError, OSError):
                     self.procs[rank].join(timeout=5)  # reap it, so that the exit code is known
                     code = self.procs[rank].exitcode
-                    results[rank] = ("error", f"rank {rank} process died (exit code {code})", "")
+                    fault = _fault_report(self._store_path, rank)
+                    results[rank] = ("error", f"rank {rank} process died (exit code {code})", fault)
                 del pending[rank]
                 if results[rank][0] == "error" and failed_at is None:
                     failed_at = time.monotonic()
