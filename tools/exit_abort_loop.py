@@ -15,7 +15,9 @@ GIL from the moment a gloo collective completes until the interpreter finalizes.
 
 ``--drain`` imports ``hyperfsdp_core`` first (which registers its exit drain) in the scripts
 that would not; ``--no-drain`` unregisters it in the ``hyperfsdp`` script (the code before
-the fix). Ranks run as plain processes (no torchrun), one launch at a time, ``nice 19``.
+the fix). Ranks run as plain processes (no torchrun), one launch at a time, ``nice 19``; they
+meet through a fresh file store per launch, not a TCP port that another process on the machine
+could take between choosing and binding it.
 
     python tools/exit_abort_loop.py --script hyperfsdp --launches 200
 """
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,7 +38,12 @@ if {drain}:
 if {no_drain}:
     import hyperfsdp_core.comm.exit as _e
     atexit.unregister(_e.drain_native_threads)
-dist.init_process_group("gloo")
+dist.init_process_group(
+    "gloo",
+    init_method="file://" + os.environ["EXIT_LOOP_STORE"],
+    rank=int(os.environ["RANK"]),
+    world_size=int(os.environ["WORLD_SIZE"]),
+)
 """
 
 _SCRIPTS = {
@@ -82,39 +88,45 @@ _SCRIPTS["hyperfsdp"] = _SCRIPTS["fsdp2"].replace(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Once a rank has failed, the seconds the others get to finish before they are killed (a rank
+# left waiting in the rendezvous or a collective would otherwise hold the launch for `timeout`).
+_GRACE_AFTER_FAILURE = 10.0
 
 
-def launch(path: str, world: int, timeout: float) -> tuple[list[int], list[str]]:
-    port, procs = _free_port(), []
+def launch(path: str, store: str, world: int, timeout: float) -> tuple[list[int], list[str]]:
+    """Run ``world`` ranks of ``path`` meeting at the file ``store``; their exit codes and output."""
+    procs, logs = [], [f"{store}.rank{rank}.log" for rank in range(world)]
     for rank in range(world):
         env = dict(
             os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
+            EXIT_LOOP_STORE=store,
             RANK=str(rank),
             WORLD_SIZE=str(world),
             LOCAL_RANK=str(rank),
             OMP_NUM_THREADS="1",
         )
-        procs.append(
-            subprocess.Popen(
-                ["nice", "-n", "19", sys.executable, path],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
+        with open(logs[rank], "wb") as log:  # a file, not a pipe that could fill while we poll
+            procs.append(
+                subprocess.Popen(
+                    ["nice", "-n", "19", sys.executable, path],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
             )
-        )
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(proc.poll() is None for proc in procs):
+        if any(proc.returncode not in (None, 0) for proc in procs):
+            deadline = min(deadline, time.monotonic() + _GRACE_AFTER_FAILURE)
+        time.sleep(0.05)
     outs = []
-    for proc in procs:
-        try:
-            outs.append(proc.communicate(timeout=timeout)[0].decode(errors="replace"))
-        except subprocess.TimeoutExpired:
+    for proc, log in zip(procs, logs):
+        killed = proc.poll() is None
+        if killed:
             proc.kill()
-            outs.append(proc.communicate()[0].decode(errors="replace") + "\n[timed out]")
+            proc.wait()
+        with open(log, errors="replace") as f:
+            outs.append(f.read() + ("\n[killed: still running]" if killed else ""))
     return [proc.returncode for proc in procs], outs
 
 
@@ -136,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(path, "w") as f:
             f.write(source)
         for i in range(args.launches):
-            rcs, outs = launch(path, args.world, args.timeout)
+            store = os.path.join(tmp, f"store{i}")
+            rcs, outs = launch(path, store, args.world, args.timeout)
             if any(rc == -6 for rc in rcs):
                 aborted += 1
                 print(f"launch {i}: SIGABRT (exit codes {rcs})", flush=True)
