@@ -115,8 +115,11 @@ def launch(path: str, store: str, world: int, timeout: float) -> tuple[list[int]
                 )
             )
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(proc.poll() is None for proc in procs):
-        if any(proc.returncode not in (None, 0) for proc in procs):
+    while time.monotonic() < deadline:
+        codes = [proc.poll() for proc in procs]  # every rank, so none's exit goes unseen
+        if None not in codes:
+            break
+        if any(code not in (None, 0) for code in codes):
             deadline = min(deadline, time.monotonic() + _GRACE_AFTER_FAILURE)
         time.sleep(0.05)
     outs = []
